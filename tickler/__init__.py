@@ -1,0 +1,29 @@
+"""tickler: hand work to the background of a Trio service, bounded and accounted for."""
+
+from importlib.metadata import version as _version
+
+from ._exceptions import QueueFull as QueueFull
+from ._exceptions import RequestCancelled as RequestCancelled
+from ._exceptions import ServiceClosed as ServiceClosed
+from ._exceptions import TicklerError as TicklerError
+from ._retry import Retry as Retry
+from ._service import Service as Service
+from ._service import open_service as open_service
+from ._statistics import ServiceStatistics as ServiceStatistics
+from ._ticket import Status as Status
+from ._ticket import Ticket as Ticket
+
+__all__ = [
+    "QueueFull",
+    "RequestCancelled",
+    "Retry",
+    "Service",
+    "ServiceClosed",
+    "ServiceStatistics",
+    "Status",
+    "Ticket",
+    "TicklerError",
+    "open_service",
+]
+
+__version__ = _version("tickler")

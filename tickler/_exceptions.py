@@ -1,0 +1,19 @@
+"""The exceptions tickler raises."""
+
+from __future__ import annotations
+
+
+class TicklerError(Exception):
+    """Base class of the errors tickler raises on purpose."""
+
+
+class QueueFull(TicklerError):
+    """The service already holds ``max_queue_length`` queued requests."""
+
+
+class ServiceClosed(TicklerError):
+    """The service no longer accepts requests: a stop has begun or the run has ended."""
+
+
+class RequestCancelled(TicklerError):
+    """The request was cancelled before it could complete."""

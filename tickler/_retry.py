@@ -1,0 +1,95 @@
+"""The retry policy: how many attempts, how long to wait between them, for which errors."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import attrs
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number")
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+
+
+def _to_exception_types(value: object) -> tuple[type[Exception], ...]:
+    types = value if isinstance(value, tuple) else (value,)
+    for item in types:
+        if not (isinstance(item, type) and issubclass(item, Exception)):
+            raise TypeError("on must be an Exception subclass or a tuple of them")
+    if not types:
+        raise ValueError("on must name at least one exception type")
+    return types
+
+
+@attrs.frozen
+class Retry:
+    """Retry failed attempts with capped exponential backoff.
+
+    ``attempts`` counts every attempt, the first one included. Before attempt
+    ``k + 1`` the request waits ``min(maximum, initial * factor ** (k - 1))``
+    seconds; with ``jitter`` the wait is drawn uniformly from the upper half of
+    that. Only exceptions that are instances of ``on`` are retried.
+    """
+
+    attempts: int = attrs.field(default=3)
+    initial: float = attrs.field(default=0.1)
+    factor: float = attrs.field(default=2.0)
+    maximum: float = attrs.field(default=30.0)
+    jitter: bool = attrs.field(default=True)
+    on: tuple[type[Exception], ...] = attrs.field(
+        default=(Exception,), converter=_to_exception_types
+    )
+
+    @attempts.validator
+    def _check_attempts(self, _: Any, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError("attempts must be an int")
+        if value < 1:
+            raise ValueError("attempts must be >= 1")
+
+    @initial.validator
+    def _check_initial(self, _: Any, value: float) -> None:
+        _check_number("initial", value)
+        if value < 0:
+            raise ValueError("initial must be >= 0")
+
+    @factor.validator
+    def _check_factor(self, _: Any, value: float) -> None:
+        _check_number("factor", value)
+        if value < 1:
+            raise ValueError("factor must be >= 1")
+
+    @maximum.validator
+    def _check_maximum(self, _: Any, value: float) -> None:
+        _check_number("maximum", value)
+        if value < 0:
+            raise ValueError("maximum must be >= 0")
+
+    @jitter.validator
+    def _check_jitter(self, _: Any, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError("jitter must be a bool")
+
+    def backoff(self, attempt: int) -> float:
+        """The wait in seconds after failed attempt number ``attempt`` (1-based), before jitter."""
+        try:
+            delay = self.initial * self.factor ** (attempt - 1)
+        except OverflowError:
+            return self.maximum
+        return min(self.maximum, delay)
+
+    def delay(self, attempt: int) -> float:
+        """The wait in seconds after failed attempt number ``attempt``, jitter applied."""
+        delay = self.backoff(attempt)
+        if self.jitter:
+            return random.uniform(delay / 2, delay)  # noqa: S311 - backoff jitter, not cryptography
+        return delay
+
+    def should_retry(self, attempt: int, exc: Exception) -> bool:
+        """Whether failed attempt number ``attempt`` raising ``exc`` gets another attempt."""
+        return attempt < self.attempts and isinstance(exc, self.on)

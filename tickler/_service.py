@@ -1,0 +1,746 @@
+"""The tickler pattern: a queue, a supervisor loop woken by a one-slot signal, a limiter."""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import heapq
+import itertools
+import logging
+import math
+import sys
+import threading
+import traceback
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from ._exceptions import QueueFull, ServiceClosed
+from ._retry import Retry
+from ._statistics import ServiceStatistics
+from ._ticket import Status, Ticket, Waiting
+
+logger = logging.getLogger("tickler")
+
+Handler = Callable[[Any], Awaitable[Any]]
+ErrorHook = Callable[[Ticket, Exception], object]
+
+_QUEUED = Status.QUEUED
+_RUNNING = Status.RUNNING
+_RETRYING = Status.RETRYING
+_SUCCEEDED = Status.SUCCEEDED
+_FAILED = Status.FAILED
+_CANCELLED = Status.CANCELLED
+
+_Context = contextvars.Context
+_Coroutine = types.CoroutineType
+_copy_context = contextvars.copy_context
+_get_ident = threading.get_ident
+_UNBOUNDED = sys.maxsize
+
+# Run states.
+_NEW, _RUNNING_RUN, _ENDED = 0, 1, 2
+
+
+def _check_capacity(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("capacity must be an int")
+    if value < 1:
+        raise ValueError("capacity must be >= 1")
+    return value
+
+
+def _check_timeout(name: str, value: object, *, allow_zero: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number or None")
+    if allow_zero:
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0")
+    elif not value > 0:
+        raise ValueError(f"{name} must be > 0")
+    return float(value)
+
+
+def _format_exception(exc: BaseException) -> str:
+    # Log records get the traceback as text: a record that kept the exception
+    # would keep its frames, and through them the request, alive.
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+def default_on_error(ticket: Ticket, exc: Exception) -> None:
+    """Log a request's final failure, with its traceback, on the ``tickler`` logger."""
+    if logger.isEnabledFor(logging.ERROR):
+        logger.error(
+            "request #%d failed after %d attempt(s)\n%s",
+            ticket.id,
+            ticket.attempts,
+            _format_exception(exc),
+        )
+
+
+@types.coroutine
+def _schedule_point() -> Generator[Any, Any, None]:
+    yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
+
+
+@types.coroutine
+def _drive(
+    run: Callable[..., Any], send: Callable[[Any], Any], throw: Callable[[BaseException], Any]
+) -> Generator[Any, Any, Any]:
+    """Await a handler's coroutine with every step run inside its request's Context.
+
+    A processor runs many requests in one task, so it cannot let Trio's
+    per-task context stand for the enqueuer's: each step is run explicitly in
+    the request's own Context copy. A handler that finishes without yielding
+    still yields once here (without a cancellation point), so a chain of such
+    handlers cannot starve the other tasks.
+    """
+    try:
+        trap = run(send, None)
+    except StopIteration as done:
+        yield from _schedule_point()
+        return done.value
+    except Exception:
+        yield from _schedule_point()
+        raise
+    try:
+        while True:
+            try:
+                value = yield trap
+            except BaseException as exc:  # forwarded into the handler, not swallowed
+                trap = run(throw, exc)
+            else:
+                trap = run(send, value)
+    except StopIteration as done:
+        return done.value
+
+
+class Service:
+    """A background work service built on the tickler pattern.
+
+    Requests wait in a FIFO queue; one supervisor loop, woken ("tickled")
+    through a one-slot signal channel, starts processors into the free slots
+    of a :class:`trio.CapacityLimiter`.
+
+    The constructor needs no running Trio loop. Start the service with
+    ``await nursery.start(service.run)`` or use :func:`open_service`.
+
+    Args:
+        handler: ``async def handler(request) -> result``.
+        capacity: most attempts in flight at once (int >= 1).
+        max_queue_length: most requests waiting in the queue, or ``None``.
+        timeout: seconds allowed per attempt, or ``None``.
+        retry: a :class:`tickler.Retry` policy, or ``None`` for one attempt.
+        on_error: ``on_error(ticket, exc)``, called once after a request's
+            final failed attempt; by default the error is logged.
+        name: shown in the repr and in log lines.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_clock",
+        "_debug",
+        "_failed",
+        "_finished",
+        "_foreign_pending",
+        "_handler",
+        "_heap",
+        "_heap_seq",
+        "_in_flight",
+        "_last_id",
+        "_limit",
+        "_limiter",
+        "_lock",
+        "_may_start",
+        "_nursery",
+        "_on_error",
+        "_peak",
+        "_queue",
+        "_rejected",
+        "_retried",
+        "_retry",
+        "_retrying",
+        "_run_state",
+        "_signal_rx",
+        "_signal_tx",
+        "_started",
+        "_stop_called",
+        "_stopped_tickets",
+        "_succeeded",
+        "_cancelled",
+        "_thread",
+        "_timeout",
+        "_token",
+        "_wakeup_pending",
+        "_wakeups",
+        "max_queue_length",
+        "name",
+        "stopping",
+    )
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        capacity: int = 10,
+        max_queue_length: int | None = 10_000,
+        timeout: float | None = None,
+        retry: Retry | None = None,
+        on_error: ErrorHook | None = None,
+        name: str = "tickler",
+    ) -> None:
+        if not callable(handler):
+            raise TypeError("handler must be callable")
+        _check_capacity(capacity)
+        if max_queue_length is not None:
+            if isinstance(max_queue_length, bool) or not isinstance(max_queue_length, int):
+                raise TypeError("max_queue_length must be an int or None")
+            if max_queue_length < 1:
+                raise ValueError("max_queue_length must be >= 1")
+        self._timeout = _check_timeout("timeout", timeout, allow_zero=False)
+        if retry is not None and not isinstance(retry, Retry):
+            raise TypeError("retry must be a tickler.Retry or None")
+        if on_error is not None and not callable(on_error):
+            raise TypeError("on_error must be callable or None")
+        if not isinstance(name, str):
+            raise TypeError("name must be a str")
+
+        self._handler = handler
+        self._retry = retry
+        self._on_error = on_error if on_error is not None else default_on_error
+        self.name = name
+        self.max_queue_length = max_queue_length
+        self._limit = max_queue_length if max_queue_length is not None else _UNBOUNDED
+
+        # The queue. A threading.Lock, not a Trio lock: enqueue_request is
+        # also called from threads that are not running Trio.
+        self._lock = threading.Lock()
+        self._queue: collections.deque[Ticket] = collections.deque()
+        # The cap. Slots are borrowed on behalf of each request's ticket, so
+        # the limiter's statistics name the requests in flight.
+        self._limiter = trio.CapacityLimiter(capacity)
+        # Retries wait here, ordered by due time, held by the loop itself: a
+        # retry never needs a queue place, so a full queue cannot block it.
+        self._heap: list[tuple[float, int, Ticket]] = []
+        self._heap_seq = itertools.count()
+
+        self._last_id = 0  # also the `enqueued` counter
+        self._started = 0
+        self._succeeded = 0
+        self._failed = 0
+        self._cancelled = 0
+        self._retried = 0
+        self._rejected = 0
+        self._wakeups = 0
+        self._peak = 0
+        self._in_flight = 0
+        self._retrying = 0
+
+        self.stopping = trio.Event()
+        self._finished = trio.Event()
+        self._stop_called = False
+        self._stopped_tickets: list[Ticket] = []
+        self._may_start = True
+
+        self._run_state = _NEW
+        self._clock: trio.abc.Clock | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: int | None = None
+        self._nursery: trio.Nursery | None = None
+        self._signal_tx: trio.MemorySendChannel[None] | None = None
+        self._signal_rx: trio.MemoryReceiveChannel[None] | None = None
+        self._wakeup_pending = False
+        self._foreign_pending = False
+        self._debug = logger.isEnabledFor(logging.DEBUG)
+
+    # -- public surface -------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """The cap on attempts in flight; settable at run time to an int >= 1.
+
+        Raising it starts waiting requests at once. Lowering it cancels
+        nothing: new starts wait until fewer than the new cap are in flight.
+        Set it from the Trio thread.
+        """
+        return int(self._limiter.total_tokens)
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self._limiter.total_tokens = _check_capacity(value)
+        self._tickle()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``enqueue_request`` now raises :class:`ServiceClosed`."""
+        return self._stop_called or self._run_state == _ENDED
+
+    def enqueue_request(self, request: Any) -> Ticket:
+        """Queue ``request`` for the handler and return its :class:`Ticket`.
+
+        Never blocks and costs O(1). Safe to call from the Trio thread, from
+        any other thread, and before :meth:`run` starts. The handler will run
+        with a copy of the caller's contextvars.
+
+        Raises:
+            QueueFull: ``max_queue_length`` requests are already queued.
+            ServiceClosed: a stop has begun or the run has ended.
+        """
+        context = _copy_context()
+        clock = self._clock
+        now = clock.current_time() if clock is not None else None
+        with self._lock:
+            queue = self._queue
+            length = len(queue)
+            if length >= self._limit or self._stop_called or self._run_state == _ENDED:
+                self._rejected += 1
+                self._raise_rejection(length)
+            if now is None and self._clock is not None:
+                now = self._clock.current_time()  # the run started meanwhile
+            self._last_id = ticket_id = self._last_id + 1
+            ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, context)
+            queue.append(ticket)
+            length += 1
+            if length > self._peak:
+                self._peak = length
+            if self._thread != _get_ident():
+                self._wake_from_thread()
+            elif not self._wakeup_pending:
+                self._tickle()
+        if self._debug:
+            logger.debug("request #%d added, queue length now %d", ticket_id, length)
+        return ticket
+
+    def _raise_rejection(self, length: int) -> None:
+        if self._stop_called or self._run_state == _ENDED:
+            raise ServiceClosed(f"service {self.name!r} is closed")
+        raise QueueFull(f"service {self.name!r} already has {length} queued requests")
+
+    def statistics(self) -> ServiceStatistics:
+        """Return a consistent snapshot of the counters. Call it from the Trio thread."""
+        with self._lock:
+            return ServiceStatistics(
+                queued=len(self._queue),
+                in_flight=self._in_flight,
+                retrying=self._retrying,
+                capacity=int(self._limiter.total_tokens),
+                max_queue_length=self.max_queue_length,
+                enqueued=self._last_id,
+                started=self._started,
+                succeeded=self._succeeded,
+                failed=self._failed,
+                cancelled=self._cancelled,
+                retried=self._retried,
+                rejected=self._rejected,
+                wakeups=self._wakeups,
+                peak_queued=self._peak,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"<tickler.Service {self.name!r} {self._in_flight}/{self.capacity} in flight,"
+            f" {len(self._queue)} queued, {self._retrying} retrying>"
+        )
+
+    # -- the signal -----------------------------------------------------
+
+    def _tickle(self) -> None:
+        """Wake the supervisor loop. Trio thread only.
+
+        The channel has one slot: a full slot means a wake-up is already
+        pending, and the loop will see everything that happened before it
+        runs, so any number of tickles between two wake-ups cost one wake-up.
+        """
+        tx = self._signal_tx
+        if tx is None or self._wakeup_pending:
+            return
+        self._wakeup_pending = True
+        try:
+            tx.send_nowait(None)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass  # a wake-up is already pending, or the loop has ended
+
+    def _wake_from_thread(self) -> None:
+        # Called with the lock held, from a thread that is not running the
+        # service. One callback in flight at a time is enough: it runs after
+        # everything queued before it.
+        token = self._token
+        if token is None or self._foreign_pending:
+            return
+        self._foreign_pending = True
+        try:
+            token.run_sync_soon(self._tickle_from_thread)
+        except trio.RunFinishedError:
+            self._foreign_pending = False
+
+    def _tickle_from_thread(self) -> None:
+        with self._lock:
+            self._foreign_pending = False
+        self._tickle()
+
+    # -- the loop -------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the service until it is stopped; use ``await nursery.start(service.run)``.
+
+        Raises:
+            ServiceClosed: the service was stopped before it ran.
+            RuntimeError: ``run`` was already called.
+        """
+        if self._run_state != _NEW:
+            raise RuntimeError(f"service {self.name!r} has already run")
+        if self._stop_called:
+            raise ServiceClosed(f"service {self.name!r} was stopped before it ran")
+        self._signal_tx, self._signal_rx = trio.open_memory_channel[None](1)
+        clock = trio.lowlevel.current_clock()
+        now = clock.current_time()
+        with self._lock:
+            self._run_state = _RUNNING_RUN
+            self._token = trio.lowlevel.current_trio_token()
+            self._thread = _get_ident()
+            self._clock = clock
+            for ticket in self._queue:
+                ticket.enqueued_at = now
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await self._supervise()
+        finally:
+            self._wind_down()
+
+    async def _supervise(self) -> None:
+        assert self._signal_rx is not None
+        receive = self._signal_rx.receive
+        heap = self._heap
+        while True:
+            self._dispatch()
+            if self._stop_called and self._in_flight == 0 and not self._queue and not heap:
+                return
+            if heap and self._may_start:
+                with trio.move_on_at(heap[0][0]):
+                    await receive()
+                    self._wakeup_pending = False
+            else:
+                await receive()
+                self._wakeup_pending = False
+            self._wakeups += 1
+            self._debug = logger.isEnabledFor(logging.DEBUG)
+
+    def _dispatch(self) -> None:
+        """Start processors into every free slot, due retries first."""
+        if not self._may_start:
+            return
+        limiter = self._limiter
+        nursery = self._nursery
+        assert nursery is not None
+        debug = self._debug
+        clock = self._clock
+        assert clock is not None
+        now = clock.current_time()
+        while limiter.borrowed_tokens < limiter.total_tokens:
+            ticket = self._take(now)
+            if ticket is None:
+                return
+            limiter.acquire_on_behalf_of_nowait(ticket)
+            nursery.start_soon(self._process, ticket)
+            if debug:
+                logger.debug(
+                    "replenished: now %d/%d slots in use",
+                    limiter.borrowed_tokens,
+                    limiter.total_tokens,
+                )
+        if debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
+            logger.debug(
+                "received loop signal, but request limit is reached (%d/%d slots in use, %d queued)",
+                limiter.borrowed_tokens,
+                limiter.total_tokens,
+                len(self._queue),
+            )
+
+    def _take(self, now: float) -> Ticket | None:
+        """Take the next request to start: a due retry, else the oldest queued one."""
+        heap = self._heap
+        if heap and heap[0][0] <= now:
+            ticket = heapq.heappop(heap)[2]
+            self._retrying -= 1
+        else:
+            queue = self._queue
+            if not queue:
+                return None
+            with self._lock:
+                ticket = queue.popleft()
+        self._in_flight += 1
+        if self._debug:
+            logger.debug("request #%d dequeued", ticket.id)
+        return ticket
+
+    # -- the processors -------------------------------------------------
+
+    async def _process(self, ticket: Ticket) -> None:
+        """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next."""
+        clock = self._clock
+        assert clock is not None
+        handler = self._handler
+        timeout = self._timeout
+        now = clock.current_time()
+        while True:
+            state = ticket._state
+            context = (state if type(state) is _Context else state.context).copy()
+            ticket.status = _RUNNING
+            ticket.attempts += 1
+            ticket.started_at = now
+            self._started += 1
+            if self._debug:
+                logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
+            try:
+                awaitable = context.run(handler, ticket.request)
+                if type(awaitable) is _Coroutine:
+                    steps = awaitable
+                else:
+                    steps = _steps_of(awaitable)
+                if timeout is None:
+                    result = await _drive(context.run, steps.send, steps.throw)
+                else:
+                    with trio.move_on_at(now + timeout) as scope:
+                        result = await _drive(context.run, steps.send, steps.throw)
+                    if scope.cancelled_caught:
+                        raise TimeoutError(f"attempt timed out after {timeout:g} seconds")
+            except Exception as exc:
+                now = clock.current_time()
+                self._attempt_failed(ticket, exc, now)
+            except BaseException as exc:
+                # Cancelled, KeyboardInterrupt and the like: record the
+                # request's final state, give back its slot, and let the
+                # exception go on.
+                self._abort(ticket, exc)
+                raise
+            else:
+                now = clock.current_time()
+                self._in_flight -= 1
+                self._succeeded += 1
+                self._finish(ticket, _SUCCEEDED, result, now)
+            del state, context
+            following = self._next_for_slot(ticket, now)
+            if following is None:
+                return
+            ticket = following
+
+    def _next_for_slot(self, done: Ticket, now: float) -> Ticket | None:
+        """Hand the slot of the finished ``done`` to the next request, or give it back."""
+        limiter = self._limiter
+        following = None
+        if self._may_start and limiter.borrowed_tokens <= limiter.total_tokens:
+            following = self._take(now)
+        limiter.release_on_behalf_of(done)
+        if following is None:
+            self._tickle()  # a completion that frees a slot
+            if self._debug:
+                logger.debug(
+                    "slot freed: now %d/%d slots in use",
+                    limiter.borrowed_tokens,
+                    limiter.total_tokens,
+                )
+            return None
+        limiter.acquire_on_behalf_of_nowait(following)
+        return following
+
+    def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
+        state = ticket._state
+        ticket._state = (now, payload)
+        ticket.status = status
+        if type(state) is Waiting:
+            state.event.set()
+
+    def _attempt_failed(self, ticket: Ticket, exc: Exception, now: float) -> None:
+        self._in_flight -= 1
+        # Drop the processor's own frame from the traceback: it refers to the
+        # ticket, and the ticket will refer to the exception.
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_frame is sys._getframe(1):
+            exc.__traceback__ = tb.tb_next
+        del tb
+        retry = self._retry
+        attempt = ticket.attempts
+        if retry is not None and retry.should_retry(attempt, exc):
+            if not self._may_start:
+                self._cancel(ticket, now)
+                return
+            delay = retry.delay(attempt)
+            ticket.status = _RETRYING
+            self._retrying += 1
+            self._retried += 1
+            heap = self._heap
+            heapq.heappush(heap, (now + delay, next(self._heap_seq), ticket))
+            if heap[0][2] is ticket:
+                self._tickle()  # the loop must now wake earlier
+            if logger.isEnabledFor(logging.WARNING):
+                logger.warning(
+                    "request #%d attempt %d failed, retrying in %.3f seconds\n%s",
+                    ticket.id,
+                    attempt,
+                    delay,
+                    _format_exception(exc),
+                )
+            return
+        self._finish(ticket, _FAILED, exc, now)
+        self._failed += 1
+        try:
+            self._on_error(ticket, exc)
+        except Exception as hook_exc:
+            if logger.isEnabledFor(logging.ERROR):
+                logger.error(
+                    "on_error hook raised for request #%d\n%s",
+                    ticket.id,
+                    _format_exception(hook_exc),
+                )
+
+    def _abort(self, ticket: Ticket, exc: BaseException) -> None:
+        self._in_flight -= 1
+        self._limiter.release_on_behalf_of(ticket)
+        clock = self._clock
+        now = clock.current_time() if clock is not None else None
+        if isinstance(exc, trio.Cancelled):
+            self._cancel(ticket, now)
+        else:
+            self._finish(ticket, _FAILED, exc, now)
+            self._failed += 1
+        self._tickle()
+
+    def _cancel(self, ticket: Ticket, now: float | None) -> None:
+        self._finish(ticket, _CANCELLED, None, now)
+        self._cancelled += 1
+        self._stopped_tickets.append(ticket)
+
+    # -- stopping -------------------------------------------------------
+
+    def _cancel_waiting(self) -> None:
+        """Cancel every request that is queued or waiting for a retry."""
+        clock = self._clock
+        now = clock.current_time() if clock is not None else None
+        with self._lock:
+            waiting = list(self._queue)
+            self._queue.clear()
+        for ticket in waiting:
+            self._cancel(ticket, now)
+        heap = self._heap
+        while heap:
+            ticket = heapq.heappop(heap)[2]
+            self._retrying -= 1
+            self._cancel(ticket, now)
+
+    def _wind_down(self) -> None:
+        with self._lock:
+            self._run_state = _ENDED
+        self._may_start = False
+        self.stopping.set()
+        self._cancel_waiting()
+        if self._signal_tx is not None:
+            self._signal_tx.close()
+        self._stopped_tickets.sort(key=_by_id)
+        self._finished.set()
+
+    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> list[Ticket]:
+        """Stop the service and return the tickets that did not complete.
+
+        Enqueueing is refused from the first instant. With ``drain=True`` the
+        service keeps starting queued requests and due retries until nothing
+        is queued, retrying or in flight; with ``drain=False`` it starts
+        nothing more and cancels what is queued or retrying at once. Either way
+        it then waits for what runs, up to ``timeout`` seconds (``None``: no
+        limit; ``0``: not at all), and cancels what still runs.
+
+        Idempotent: concurrent and later calls wait for the same stop and
+        return the same tickets.
+
+        Returns:
+            Every ticket that did not complete, marked CANCELLED, by id.
+        """
+        if not isinstance(drain, bool):
+            raise TypeError("drain must be a bool")
+        limit = _check_timeout("timeout", timeout, allow_zero=True)
+        if self._stop_called or self._run_state == _ENDED:
+            await self._finished.wait()
+            return list(self._stopped_tickets)
+        with self._lock:
+            self._stop_called = True
+        self.stopping.set()
+        if self._run_state == _NEW:
+            self._wind_down()
+            await trio.lowlevel.checkpoint()
+            return list(self._stopped_tickets)
+        if not drain:
+            self._may_start = False
+            self._cancel_waiting()
+        self._tickle()
+        with trio.move_on_after(math.inf if limit is None else limit):
+            await self._finished.wait()
+        if not self._finished.is_set():
+            self._may_start = False
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+            await self._finished.wait()
+        return list(self._stopped_tickets)
+
+
+def _by_id(ticket: Ticket) -> int:
+    return ticket.id
+
+
+def _steps_of(awaitable: object) -> Any:
+    await_ = getattr(type(awaitable), "__await__", None)
+    if await_ is None:
+        raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
+    return await_(awaitable)
+
+
+@asynccontextmanager
+async def open_service(
+    handler: Handler,
+    *,
+    capacity: int = 10,
+    max_queue_length: int | None = 10_000,
+    timeout: float | None = None,
+    retry: Retry | None = None,
+    on_error: ErrorHook | None = None,
+    name: str = "tickler",
+    shutdown_timeout: float | None = None,
+) -> AsyncIterator[Service]:
+    """Run a :class:`Service` for the duration of an ``async with`` block.
+
+    When the body ends normally the service is stopped with
+    ``stop(drain=True, timeout=shutdown_timeout)``. When the body raises, the
+    work in flight is cancelled and the body's exception propagates as is.
+    """
+    _check_timeout("shutdown_timeout", shutdown_timeout, allow_zero=True)
+    service = Service(
+        handler,
+        capacity=capacity,
+        max_queue_length=max_queue_length,
+        timeout=timeout,
+        retry=retry,
+        on_error=on_error,
+        name=name,
+    )
+    body_error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            try:
+                yield service
+            except BaseException as exc:
+                body_error = exc
+                nursery.cancel_scope.cancel()
+                raise
+            await service.stop(drain=True, timeout=shutdown_timeout)
+    except BaseExceptionGroup as group:
+        # The nursery wraps the body's own exception in a group; a caller of
+        # a context manager expects the exception it raised.
+        if body_error is not None and len(group.exceptions) == 1 and group.exceptions[0] is body_error:
+            raise body_error from None
+        raise
