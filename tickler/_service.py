@@ -40,6 +40,10 @@ _Coroutine = types.CoroutineType
 _copy_context = contextvars.copy_context
 _get_ident = threading.get_ident
 _UNBOUNDED = sys.maxsize
+_EMPTY_CONTEXT = contextvars.Context()
+# A processor that keeps its slot yields to the scheduler after this many
+# requests in a row, even if every handler returned without yielding.
+_CHAIN_BUDGET = 64
 
 # Run states.
 _NEW, _RUNNING_RUN, _ENDED = 0, 1, 2
@@ -84,31 +88,17 @@ def default_on_error(ticket: Ticket, exc: Exception) -> None:
 
 
 @types.coroutine
-def _schedule_point() -> Generator[Any, Any, None]:
-    yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
-
-
-@types.coroutine
 def _drive(
     run: Callable[..., Any], send: Callable[[Any], Any], throw: Callable[[BaseException], Any]
 ) -> Generator[Any, Any, Any]:
     """Await a handler's coroutine with every step run inside its request's Context.
 
-    A processor runs many requests in one task, so it cannot let Trio's
-    per-task context stand for the enqueuer's: each step is run explicitly in
-    the request's own Context copy. A handler that finishes without yielding
-    still yields once here (without a cancellation point), so a chain of such
-    handlers cannot starve the other tasks.
+    A processor runs many requests in one task, so Trio's per-task context
+    cannot stand for each enqueuer's: each step runs explicitly in the
+    request's own Context copy.
     """
     try:
         trap = run(send, None)
-    except StopIteration as done:
-        yield from _schedule_point()
-        return done.value
-    except Exception:
-        yield from _schedule_point()
-        raise
-    try:
         while True:
             try:
                 value = yield trap
@@ -153,7 +143,8 @@ class Service:
         "_heap_seq",
         "_in_flight",
         "_last_id",
-        "_limit",
+        "_admit",
+        "_closed",
         "_limiter",
         "_lock",
         "_may_start",
@@ -173,6 +164,7 @@ class Service:
         "_stopped_tickets",
         "_succeeded",
         "_cancelled",
+        "_capacity",
         "_thread",
         "_timeout",
         "_token",
@@ -215,7 +207,11 @@ class Service:
         self._on_error = on_error if on_error is not None else default_on_error
         self.name = name
         self.max_queue_length = max_queue_length
-        self._limit = max_queue_length if max_queue_length is not None else _UNBOUNDED
+        # The queue length at which enqueue_request refuses: the cap while
+        # the service is open, 0 once it is closed, so one comparison on the
+        # hot path covers both refusals.
+        self._admit = max_queue_length if max_queue_length is not None else _UNBOUNDED
+        self._closed = False
 
         # The queue. A threading.Lock, not a Trio lock: enqueue_request is
         # also called from threads that are not running Trio.
@@ -224,6 +220,7 @@ class Service:
         # The cap. Slots are borrowed on behalf of each request's ticket, so
         # the limiter's statistics name the requests in flight.
         self._limiter = trio.CapacityLimiter(capacity)
+        self._capacity = capacity  # mirrors the limiter's total, for the hot path
         # Retries wait here, ordered by due time, held by the loop itself: a
         # retry never needs a queue place, so a full queue cannot block it.
         self._heap: list[tuple[float, int, Ticket]] = []
@@ -268,17 +265,17 @@ class Service:
         nothing: new starts wait until fewer than the new cap are in flight.
         Set it from the Trio thread.
         """
-        return int(self._limiter.total_tokens)
+        return self._capacity
 
     @capacity.setter
     def capacity(self, value: int) -> None:
-        self._limiter.total_tokens = _check_capacity(value)
+        self._limiter.total_tokens = self._capacity = _check_capacity(value)
         self._tickle()
 
     @property
     def closed(self) -> bool:
         """Whether ``enqueue_request`` now raises :class:`ServiceClosed`."""
-        return self._stop_called or self._run_state == _ENDED
+        return self._closed
 
     def enqueue_request(self, request: Any) -> Ticket:
         """Queue ``request`` for the handler and return its :class:`Ticket`.
@@ -292,43 +289,51 @@ class Service:
             ServiceClosed: a stop has begun or the run has ended.
         """
         context = _copy_context()
+        if not context:
+            # One shared empty Context serves every request enqueued without
+            # contextvars: no per-request Context to keep or to collect.
+            context = _EMPTY_CONTEXT
         clock = self._clock
         now = clock.current_time() if clock is not None else None
-        with self._lock:
+        lock = self._lock
+        # acquire/release rather than `with`: the context-manager protocol
+        # costs about as much again as the lock itself on this path.
+        lock.acquire()
+        try:
             queue = self._queue
             length = len(queue)
-            if length >= self._limit or self._stop_called or self._run_state == _ENDED:
+            if length >= self._admit:
                 self._rejected += 1
-                self._raise_rejection(length)
+                if self._closed:
+                    raise ServiceClosed(f"service {self.name!r} is closed")
+                raise QueueFull(f"service {self.name!r} already has {length} queued requests")
             if now is None and self._clock is not None:
                 now = self._clock.current_time()  # the run started meanwhile
             self._last_id = ticket_id = self._last_id + 1
             ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, context)
             queue.append(ticket)
-            length += 1
-            if length > self._peak:
-                self._peak = length
-            if self._thread != _get_ident():
-                self._wake_from_thread()
-            elif not self._wakeup_pending:
-                self._tickle()
+            if not self._wakeup_pending:
+                # (When a wake-up is pending, the loop has yet to take the
+                # lock and will find this request.)
+                if self._thread == _get_ident():
+                    self._tickle()
+                else:
+                    self._wake_from_thread()
+        finally:
+            lock.release()
         if self._debug:
-            logger.debug("request #%d added, queue length now %d", ticket_id, length)
+            logger.debug("request #%d added, queue length now %d", ticket_id, length + 1)
         return ticket
-
-    def _raise_rejection(self, length: int) -> None:
-        if self._stop_called or self._run_state == _ENDED:
-            raise ServiceClosed(f"service {self.name!r} is closed")
-        raise QueueFull(f"service {self.name!r} already has {length} queued requests")
 
     def statistics(self) -> ServiceStatistics:
         """Return a consistent snapshot of the counters. Call it from the Trio thread."""
         with self._lock:
+            queued = len(self._queue)
             return ServiceStatistics(
-                queued=len(self._queue),
+                queued=queued,
                 in_flight=self._in_flight,
                 retrying=self._retrying,
-                capacity=int(self._limiter.total_tokens),
+                capacity=self._capacity,
                 max_queue_length=self.max_queue_length,
                 enqueued=self._last_id,
                 started=self._started,
@@ -338,7 +343,7 @@ class Service:
                 retried=self._retried,
                 rejected=self._rejected,
                 wakeups=self._wakeups,
-                peak_queued=self._peak,
+                peak_queued=max(self._peak, queued),
             )
 
     def __repr__(self) -> str:
@@ -433,33 +438,34 @@ class Service:
             self._debug = logger.isEnabledFor(logging.DEBUG)
 
     def _dispatch(self) -> None:
-        """Start processors into every free slot, due retries first."""
+        """Start a processor into every free slot, due retries first."""
         if not self._may_start:
             return
         limiter = self._limiter
         nursery = self._nursery
-        assert nursery is not None
-        debug = self._debug
         clock = self._clock
+        assert nursery is not None
         assert clock is not None
         now = clock.current_time()
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
                 return
-            limiter.acquire_on_behalf_of_nowait(ticket)
-            nursery.start_soon(self._process, ticket)
-            if debug:
+            slot = _Slot(ticket.id)
+            limiter.acquire_on_behalf_of_nowait(slot)
+            # Processors start in an empty context, so that requests enqueued
+            # without contextvars can run without switching contexts.
+            _EMPTY_CONTEXT.copy().run(nursery.start_soon, self._process, ticket, slot)
+            if self._debug:
                 logger.debug(
-                    "replenished: now %d/%d slots in use",
-                    limiter.borrowed_tokens,
-                    limiter.total_tokens,
+                    "replenished: now %d/%d slots in use", self._in_flight, self._capacity
                 )
-        if debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
+        if self._debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
             logger.debug(
-                "received loop signal, but request limit is reached (%d/%d slots in use, %d queued)",
-                limiter.borrowed_tokens,
-                limiter.total_tokens,
+                "received loop signal, but request limit is reached"
+                " (%d/%d slots in use, %d queued)",
+                self._in_flight,
+                self._capacity,
                 len(self._queue),
             )
 
@@ -473,8 +479,18 @@ class Service:
             queue = self._queue
             if not queue:
                 return None
-            with self._lock:
+            # Only this thread pops, so the queue cannot empty meanwhile.
+            lock = self._lock
+            lock.acquire()
+            try:
+                # Between pops the queue only grows, so its peak is reached
+                # just before a pop: recording it here keeps enqueue lean.
+                length = len(queue)
+                if length > self._peak:
+                    self._peak = length
                 ticket = queue.popleft()
+            finally:
+                lock.release()
         self._in_flight += 1
         if self._debug:
             logger.debug("request #%d dequeued", ticket.id)
@@ -482,73 +498,85 @@ class Service:
 
     # -- the processors -------------------------------------------------
 
-    async def _process(self, ticket: Ticket) -> None:
-        """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next."""
+    async def _process(self, ticket: Ticket, slot: _Slot) -> None:
+        """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
+
+        Keeping the slot saves a task spawn per request. Only the supervisor
+        starts processors into free slots.
+        """
         clock = self._clock
         assert clock is not None
         handler = self._handler
         timeout = self._timeout
         now = clock.current_time()
-        while True:
-            state = ticket._state
-            context = (state if type(state) is _Context else state.context).copy()
-            ticket.status = _RUNNING
-            ticket.attempts += 1
-            ticket.started_at = now
-            self._started += 1
-            if self._debug:
-                logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
-            try:
-                awaitable = context.run(handler, ticket.request)
-                if type(awaitable) is _Coroutine:
-                    steps = awaitable
-                else:
-                    steps = _steps_of(awaitable)
-                if timeout is None:
-                    result = await _drive(context.run, steps.send, steps.throw)
-                else:
-                    with trio.move_on_at(now + timeout) as scope:
-                        result = await _drive(context.run, steps.send, steps.throw)
-                    if scope.cancelled_caught:
+        chained = 0
+        try:
+            while True:
+                state = ticket._state
+                captured = state if type(state) is _Context else state.context
+                ticket.status = _RUNNING
+                ticket.attempts += 1
+                ticket.started_at = now
+                self._started += 1
+                if self._debug:
+                    logger.debug(
+                        "processing request #%d (attempt %d)", ticket.id, ticket.attempts
+                    )
+                try:
+                    if not captured and not _copy_context():
+                        # Both the request's context and this task's are
+                        # empty, so running the handler right here is exactly
+                        # running it in a fresh copy of the request's context.
+                        awaitable = handler(ticket.request)
+                        if type(awaitable) is not _Coroutine:
+                            _steps_of(awaitable)
+                        if timeout is None:
+                            result = await awaitable
+                        else:
+                            with trio.move_on_at(now + timeout) as scope:
+                                result = await awaitable
+                    else:
+                        context = captured.copy()
+                        awaitable = context.run(handler, ticket.request)
+                        steps = awaitable if type(awaitable) is _Coroutine else _steps_of(awaitable)
+                        if timeout is None:
+                            result = await _drive(context.run, steps.send, steps.throw)
+                        else:
+                            with trio.move_on_at(now + timeout) as scope:
+                                result = await _drive(context.run, steps.send, steps.throw)
+                    if timeout is not None and scope.cancelled_caught:
                         raise TimeoutError(f"attempt timed out after {timeout:g} seconds")
-            except Exception as exc:
-                now = clock.current_time()
-                self._attempt_failed(ticket, exc, now)
-            except BaseException as exc:
-                # Cancelled, KeyboardInterrupt and the like: record the
-                # request's final state, give back its slot, and let the
-                # exception go on.
-                self._abort(ticket, exc)
-                raise
-            else:
-                now = clock.current_time()
-                self._in_flight -= 1
-                self._succeeded += 1
-                self._finish(ticket, _SUCCEEDED, result, now)
-            del state, context
-            following = self._next_for_slot(ticket, now)
-            if following is None:
-                return
-            ticket = following
-
-    def _next_for_slot(self, done: Ticket, now: float) -> Ticket | None:
-        """Hand the slot of the finished ``done`` to the next request, or give it back."""
-        limiter = self._limiter
-        following = None
-        if self._may_start and limiter.borrowed_tokens <= limiter.total_tokens:
-            following = self._take(now)
-        limiter.release_on_behalf_of(done)
-        if following is None:
-            self._tickle()  # a completion that frees a slot
+                except Exception as exc:
+                    now = clock.current_time()
+                    self._attempt_failed(ticket, exc, now)
+                except BaseException as exc:
+                    # Cancelled, KeyboardInterrupt and the like: record the
+                    # request's final state and let the exception go on.
+                    self._abort(ticket, exc)
+                    raise
+                else:
+                    now = clock.current_time()
+                    self._in_flight -= 1
+                    self._succeeded += 1
+                    self._finish(ticket, _SUCCEEDED, result, now)
+                del state, captured, awaitable
+                if not self._may_start or self._in_flight >= self._capacity:
+                    return
+                chained += 1
+                if chained == _CHAIN_BUDGET:
+                    # Handlers that never yield must not starve other tasks.
+                    chained = 0
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                following = self._take(now)
+                if following is None:
+                    return
+                ticket = following
+        finally:
+            # A completion that frees a slot tickles the loop.
+            self._limiter.release_on_behalf_of(slot)
+            self._tickle()
             if self._debug:
-                logger.debug(
-                    "slot freed: now %d/%d slots in use",
-                    limiter.borrowed_tokens,
-                    limiter.total_tokens,
-                )
-            return None
-        limiter.acquire_on_behalf_of_nowait(following)
-        return following
+                logger.debug("slot freed: now %d/%d slots in use", self._in_flight, self._capacity)
 
     def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
         state = ticket._state
@@ -602,7 +630,6 @@ class Service:
 
     def _abort(self, ticket: Ticket, exc: BaseException) -> None:
         self._in_flight -= 1
-        self._limiter.release_on_behalf_of(ticket)
         clock = self._clock
         now = clock.current_time() if clock is not None else None
         if isinstance(exc, trio.Cancelled):
@@ -610,7 +637,6 @@ class Service:
         else:
             self._finish(ticket, _FAILED, exc, now)
             self._failed += 1
-        self._tickle()
 
     def _cancel(self, ticket: Ticket, now: float | None) -> None:
         self._finish(ticket, _CANCELLED, None, now)
@@ -625,6 +651,7 @@ class Service:
         now = clock.current_time() if clock is not None else None
         with self._lock:
             waiting = list(self._queue)
+            self._peak = max(self._peak, len(waiting))
             self._queue.clear()
         for ticket in waiting:
             self._cancel(ticket, now)
@@ -637,6 +664,8 @@ class Service:
     def _wind_down(self) -> None:
         with self._lock:
             self._run_state = _ENDED
+            self._closed = True
+            self._admit = 0
         self._may_start = False
         self.stopping.set()
         self._cancel_waiting()
@@ -664,11 +693,12 @@ class Service:
         if not isinstance(drain, bool):
             raise TypeError("drain must be a bool")
         limit = _check_timeout("timeout", timeout, allow_zero=True)
-        if self._stop_called or self._run_state == _ENDED:
+        if self._closed:
             await self._finished.wait()
             return list(self._stopped_tickets)
         with self._lock:
-            self._stop_called = True
+            self._stop_called = self._closed = True
+            self._admit = 0
         self.stopping.set()
         if self._run_state == _NEW:
             self._wind_down()
@@ -686,6 +716,23 @@ class Service:
             self._nursery.cancel_scope.cancel()
             await self._finished.wait()
         return list(self._stopped_tickets)
+
+
+class _Slot:
+    """The limiter's borrower for one processor start.
+
+    One token per start, named for the request it was started for: the
+    limiter's statistics show which starts hold slots, and the token keeps no
+    request alive. The processor releases on behalf of the same token.
+    """
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"<tickler slot started for request #{self.request_id}>"
 
 
 def _by_id(ticket: Ticket) -> int:
