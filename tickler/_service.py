@@ -133,7 +133,11 @@ class Service:
 
     __slots__ = (
         "__weakref__",
+        "_admit",
+        "_cancelled",
+        "_capacity",
         "_clock",
+        "_closed",
         "_debug",
         "_failed",
         "_finished",
@@ -143,8 +147,6 @@ class Service:
         "_heap_seq",
         "_in_flight",
         "_last_id",
-        "_admit",
-        "_closed",
         "_limiter",
         "_lock",
         "_may_start",
@@ -163,8 +165,6 @@ class Service:
         "_stop_called",
         "_stopped_tickets",
         "_succeeded",
-        "_cancelled",
-        "_capacity",
         "_thread",
         "_timeout",
         "_token",
@@ -365,7 +365,7 @@ class Service:
         if tx is None or self._wakeup_pending:
             return
         self._wakeup_pending = True
-        try:
+        try:  # noqa: SIM105 - suppress() would add a context manager to a hot path
             tx.send_nowait(None)
         except (trio.WouldBlock, trio.ClosedResourceError):
             pass  # a wake-up is already pending, or the loop has ended
@@ -457,9 +457,7 @@ class Service:
             # without contextvars can run without switching contexts.
             _EMPTY_CONTEXT.copy().run(nursery.start_soon, self._process, ticket, slot)
             if self._debug:
-                logger.debug(
-                    "replenished: now %d/%d slots in use", self._in_flight, self._capacity
-                )
+                logger.debug("replenished: now %d/%d slots in use", self._in_flight, self._capacity)
         if self._debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
             logger.debug(
                 "received loop signal, but request limit is reached"
@@ -508,6 +506,9 @@ class Service:
         assert clock is not None
         handler = self._handler
         timeout = self._timeout
+        heap = self._heap
+        queue = self._queue
+        lock = self._lock
         now = clock.current_time()
         chained = 0
         try:
@@ -519,9 +520,7 @@ class Service:
                 ticket.started_at = now
                 self._started += 1
                 if self._debug:
-                    logger.debug(
-                        "processing request #%d (attempt %d)", ticket.id, ticket.attempts
-                    )
+                    logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
                 try:
                     if not captured and not _copy_context():
                         # Both the request's context and this task's are
@@ -545,7 +544,10 @@ class Service:
                             with trio.move_on_at(now + timeout) as scope:
                                 result = await _drive(context.run, steps.send, steps.throw)
                     if timeout is not None and scope.cancelled_caught:
-                        raise TimeoutError(f"attempt timed out after {timeout:g} seconds")
+                        # Raised here so that a timeout is one more failure.
+                        raise TimeoutError(  # noqa: TRY301
+                            f"attempt timed out after {timeout:g} seconds"
+                        )
                 except Exception as exc:
                     now = clock.current_time()
                     self._attempt_failed(ticket, exc, now)
@@ -558,7 +560,11 @@ class Service:
                     now = clock.current_time()
                     self._in_flight -= 1
                     self._succeeded += 1
-                    self._finish(ticket, _SUCCEEDED, result, now)
+                    state = ticket._state  # a waiter may have wrapped it meanwhile
+                    ticket._state = (now, result)
+                    ticket.status = _SUCCEEDED
+                    if type(state) is Waiting:
+                        state.event.set()
                 del state, captured, awaitable
                 if not self._may_start or self._in_flight >= self._capacity:
                     return
@@ -567,10 +573,25 @@ class Service:
                     # Handlers that never yield must not starve other tasks.
                     chained = 0
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                following = self._take(now)
-                if following is None:
+                if heap and heap[0][0] <= now:
+                    following = self._take(now)
+                    assert following is not None
+                    ticket = following
+                elif queue:
+                    # The common case of _take, inlined for the hot path.
+                    lock.acquire()
+                    try:
+                        length = len(queue)
+                        if length > self._peak:
+                            self._peak = length
+                        ticket = queue.popleft()
+                    finally:
+                        lock.release()
+                    self._in_flight += 1
+                    if self._debug:
+                        logger.debug("request #%d dequeued", ticket.id)
+                else:
                     return
-                ticket = following
         finally:
             # A completion that frees a slot tickles the loop.
             self._limiter.release_on_behalf_of(slot)
@@ -622,7 +643,7 @@ class Service:
             self._on_error(ticket, exc)
         except Exception as hook_exc:
             if logger.isEnabledFor(logging.ERROR):
-                logger.error(
+                logger.error(  # noqa: TRY400 - the traceback goes in as text, see above
                     "on_error hook raised for request #%d\n%s",
                     ticket.id,
                     _format_exception(hook_exc),
@@ -788,6 +809,10 @@ async def open_service(
     except BaseExceptionGroup as group:
         # The nursery wraps the body's own exception in a group; a caller of
         # a context manager expects the exception it raised.
-        if body_error is not None and len(group.exceptions) == 1 and group.exceptions[0] is body_error:
+        if (
+            body_error is not None
+            and len(group.exceptions) == 1
+            and group.exceptions[0] is body_error
+        ):
             raise body_error from None
         raise
