@@ -397,10 +397,10 @@ class Service:
             ServiceClosed: the service was stopped before it ran.
             RuntimeError: ``run`` was already called.
         """
+        if self._stop_called and self._token is None:
+            raise ServiceClosed(f"service {self.name!r} was stopped before it ran")
         if self._run_state != _NEW:
             raise RuntimeError(f"service {self.name!r} has already run")
-        if self._stop_called:
-            raise ServiceClosed(f"service {self.name!r} was stopped before it ran")
         self._signal_tx, self._signal_rx = trio.open_memory_channel[None](1)
         clock = trio.lowlevel.current_clock()
         now = clock.current_time()
