@@ -69,8 +69,7 @@ async def test_timestamps_come_from_the_trio_clock(autojump_clock: trio.abc.Cloc
         t0 = trio.current_time()
         first = service.enqueue_request(2.0)
         second = service.enqueue_request(3.0)
-        assert first.finished_at is None
-        assert second.started_at is None
+        assert [first.finished_at, second.started_at] == [None, None]
         await second.wait()
     assert first.enqueued_at == second.enqueued_at == t0
     assert (first.started_at, first.finished_at) == (t0, t0 + 2.0)
@@ -149,7 +148,9 @@ async def test_queue_full_is_refused_at_once() -> None:
     service = tickler.Service(Recorder(), max_queue_length=3)
     for i in range(3):
         service.enqueue_request(i)
-    with pytest.raises(tickler.QueueFull, match=r"^service 'tickler' already has 3 queued requests$"):
+    with pytest.raises(
+        tickler.QueueFull, match=r"^service 'tickler' already has 3 queued requests$"
+    ):
         service.enqueue_request(3)
     assert isinstance(tickler.QueueFull(), tickler.TicklerError)
     stats = service.statistics()
@@ -379,7 +380,7 @@ async def test_awaitable_objects_are_accepted() -> None:
             yield from trio.lowlevel.checkpoint().__await__()
             return self.value * 2
 
-    async with tickler.open_service(Later) as service:  # type: ignore[arg-type]
+    async with tickler.open_service(Later) as service:
         assert await service.enqueue_request(21).wait() == 42
 
 
@@ -568,3 +569,39 @@ def test_reprs_show_live_state() -> None:
     ticket = service.enqueue_request("hello")
     assert repr(service) == "<tickler.Service 'mail' 0/3 in flight, 1 queued, 0 retrying>"
     assert repr(ticket) == "<tickler.Ticket #1 queued attempts=0 request='hello'>"
+
+
+async def test_due_retry_without_a_free_slot_waits_quietly(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Regression: a due retry with every slot busy must not spin the supervisor loop."""
+    gate = trio.Event()
+
+    async def handler(request: str) -> str:
+        if request == "flaky":
+            raise ValueError("try again")
+        await gate.wait()
+        return request
+
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(
+            handler, capacity=1, retry=tickler.Retry(attempts=2, initial=0.5, jitter=False)
+        )
+        await nursery.start(service.run)
+        flaky = service.enqueue_request("flaky")
+        holder = service.enqueue_request("holder")
+        await trio.testing.wait_all_tasks_blocked()
+        assert flaky.status is tickler.Status.RETRYING
+        mock_clock.jump(1.0)  # the retry is now due, but "holder" keeps the only slot
+        for _ in range(5):  # let the loop's timer fire
+            await trio.lowlevel.checkpoint()
+        before = service.statistics().wakeups
+        for _ in range(20):
+            await trio.lowlevel.checkpoint()
+        assert service.statistics().wakeups == before
+        gate.set()
+        assert await holder.wait() == "holder"
+        with pytest.raises(ValueError, match="try again"):
+            await flaky.wait()
+        assert flaky.attempts == 2
+        await service.stop()

@@ -120,7 +120,8 @@ async def test_timeout_zero_cancels_at_once(autojump_clock: trio.abc.Clock) -> N
         leftover = await service.stop(timeout=0)
         assert trio.current_time() == 0.0
     assert leftover == [running, queued]
-    assert running.attempts == 1 and queued.attempts == 0
+    assert running.attempts == 1
+    assert queued.attempts == 0
 
 
 async def test_stop_is_idempotent(autojump_clock: trio.abc.Clock) -> None:

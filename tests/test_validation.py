@@ -32,7 +32,9 @@ async def handler(request: object) -> object:
         ({"name": 7}, TypeError, r"^name must be a str$"),
     ],
 )
-def test_bad_option_is_refused(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+def test_bad_option_is_refused(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
     """Each bad option raises at construction with a message naming the rule."""
     with pytest.raises(error, match=message):
         tickler.Service(handler, **kwargs)

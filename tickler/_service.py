@@ -420,14 +420,19 @@ class Service:
             self._wind_down()
 
     async def _supervise(self) -> None:
+        """The loop: dispatch, then sleep until tickled or until the next retry is due."""
         assert self._signal_rx is not None
+        assert self._clock is not None
         receive = self._signal_rx.receive
+        clock = self._clock
         heap = self._heap
         while True:
             self._dispatch()
             if self._stop_called and self._in_flight == 0 and not self._queue and not heap:
                 return
-            if heap and self._may_start:
+            # A retry already due is waiting for a slot, and a completion will
+            # tickle: only a retry due later needs the timer.
+            if heap and self._may_start and heap[0][0] > clock.current_time():
                 with trio.move_on_at(heap[0][0]):
                     await receive()
                     self._wakeup_pending = False
