@@ -1,0 +1,58 @@
+"""The README's example and the demo keep working."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+import demo
+
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_example_runs() -> None:
+    """The README's Python example runs as written and prints what it claims."""
+    [example] = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+    result = subprocess.run(  # noqa: S603 - our own interpreter on our own README
+        [sys.executable, "-c", example], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout == "sent to user0@example.com\n20\n"
+
+
+def test_readme_gives_the_two_setup_commands() -> None:
+    """The README's commands are the ones .ci/run executes."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = re.findall(r"```sh\n(.*?)\n```", README)
+    assert commands[:2] == [
+        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python demo.py",
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
+    ]
+    ci_lines = ci.splitlines()
+    for step in commands[1].split(" && "):  # CI runs the test command step by step
+        assert step in ci_lines
+
+
+async def test_demo_runs_the_dance(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The demo drains everything it sends and shows the limit being reached."""
+    caplog.set_level("DEBUG", logger="tickler")
+    stats = await demo.main(capacity=3, requests=10, burst=8, seed=3)
+    assert (stats.enqueued, stats.succeeded) == (18, 18)
+    assert stats.peak_queued >= 5
+    messages = [r.getMessage() for r in caplog.records if r.name == "tickler"]
+    assert any(m.startswith("received loop signal, but request limit is reached") for m in messages)
+    assert trio.current_time() < 10
+
+
+def test_demo_arguments() -> None:
+    """The demo takes --capacity, --requests, --burst and --seed."""
+    args = demo.parse_args(["--capacity", "2", "--requests", "5", "--burst", "4", "--seed", "9"])
+    assert (args.capacity, args.requests, args.burst, args.seed) == (2, 5, 4, 9)
+    assert demo.parse_args([]).capacity == 3
