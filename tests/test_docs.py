@@ -16,13 +16,31 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def test_readme_example_runs() -> None:
-    """The README's Python example runs as written and prints what it claims."""
-    [example] = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize(
+    ("index", "output"),
+    [
+        (0, "sent to user0@example.com\n20\n"),
+        (1, "delivered 'hello' on attempt 3\n2\n"),
+    ],
+)
+def test_readme_examples_run(index: int, output: str) -> None:
+    """Each Python example in the README runs as written and prints what it shows."""
     result = subprocess.run(  # noqa: S603 - our own interpreter on our own README
-        [sys.executable, "-c", example], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", EXAMPLES[index]],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
-    assert result.stdout == "sent to user0@example.com\n20\n"
+    assert result.stdout == output
+
+
+def test_every_readme_example_is_tested() -> None:
+    """No Python example in the README escapes the test above."""
+    assert len(EXAMPLES) == 2
 
 
 def test_readme_gives_the_two_setup_commands() -> None:
