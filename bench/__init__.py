@@ -1,0 +1,1 @@
+"""tickler's benchmark suite: ``python -m bench``."""

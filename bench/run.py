@@ -1,0 +1,440 @@
+"""tickler's benchmarks, side by side with their baselines in one process.
+
+    python -m bench            # the full run (a few minutes)
+    python -m bench --quick    # a tiny smoke run, as CI does
+
+Every figure is a median over rounds; within a round the variants run one
+after another, so drift hits them alike. Ratios compare variants measured in
+the same run, never against remembered numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextvars
+import gc
+import importlib
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import TypeVar
+
+import trio
+
+import tickler
+
+T = TypeVar("T")
+
+# Importing trio.testing sets the decimal module's context variable in the
+# importing context. Import it in a throwaway context, so that the benchmark's
+# own context holds exactly the variables each variant sets on purpose.
+contextvars.Context().run(importlib.import_module, "trio.testing")
+import trio.testing  # noqa: E402 - imported above, in its own context
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("bench_request_id")
+
+
+def in_context(with_var: bool, fn: Callable[..., T], *args: object) -> T:
+    """Run fn in a fresh context: empty, or with one request-id variable set."""
+    context = contextvars.Context()
+    if with_var:
+        context.run(REQUEST_ID.set, "request-42")
+    return context.run(fn, *args)
+
+
+try:
+    import aiojobs
+except ImportError:  # the `bench` extra is optional
+    aiojobs = None  # type: ignore[assignment]
+
+
+@dataclass
+class Config:
+    burst: int = 100_000
+    concurrency: int = 100
+    trickle: int = 10_000
+    enqueue_calls: int = 100_000
+    prefill: tuple[int, ...] = (1_000, 100_000, 1_000_000)
+    memory: int = 100_000
+    rounds: int = 5
+
+
+QUICK = Config(
+    burst=2_000,
+    trickle=200,
+    enqueue_calls=2_000,
+    prefill=(100, 1_000, 10_000),
+    memory=2_000,
+    rounds=2,
+)
+
+
+@dataclass
+class Row:
+    """One line of the table: a variant's samples, and what it is compared with."""
+
+    key: str
+    workload: str
+    variant: str
+    samples: list[float]
+    unit: str
+    baseline: str | None = None  # the key of the row this one is divided by
+    target: tuple[str, str, float] | None = None  # ("ratio" | "value", ">=" | "<=", bound)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+
+async def _checkpoint_handler(request: object) -> None:
+    await trio.lowlevel.checkpoint()
+
+
+# -- burst: 100,000 no-op requests enqueued at once ------------------------------
+
+
+async def burst_tickler(n: int, concurrency: int) -> tuple[float, float]:
+    service = tickler.Service(_checkpoint_handler, capacity=concurrency, max_queue_length=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        before = service.statistics().wakeups
+        start = time.perf_counter()
+        for i in range(n):
+            service.enqueue_request(i)
+        await service.stop()
+        elapsed = time.perf_counter() - start
+    stats = service.statistics()
+    assert stats.succeeded == n, stats
+    return elapsed, (stats.wakeups - before) / n
+
+
+async def burst_pool(n: int, concurrency: int) -> float:
+    send, receive = trio.open_memory_channel[int](n)
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        async for request in receive:
+            await _checkpoint_handler(request)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+        for i in range(n):
+            send.send_nowait(i)
+        send.close()
+    return time.perf_counter() - start
+
+
+async def burst_spawn(n: int, concurrency: int) -> float:
+    limiter = trio.CapacityLimiter(concurrency)
+
+    async def one(request: int) -> None:
+        async with limiter:
+            await _checkpoint_handler(request)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return time.perf_counter() - start
+
+
+async def burst_aiojobs(n: int, concurrency: int) -> float:
+    assert aiojobs is not None
+    scheduler = aiojobs.Scheduler(limit=concurrency, pending_limit=n, wait_timeout=None)
+
+    async def job(request: int) -> None:
+        await asyncio.sleep(0)
+
+    start = time.perf_counter()
+    for i in range(n):
+        await scheduler.spawn(job(i))
+    await scheduler.wait_and_close()
+    return time.perf_counter() - start
+
+
+# -- trickle: latency from enqueue to handler start on an idle service -----------
+
+
+async def trickle_tickler(n: int) -> list[float]:
+    latencies: list[float] = []
+    started_at = 0
+    done = trio.Event()
+
+    async def handler(enqueued_ns: int) -> None:
+        nonlocal started_at
+        started_at = time.perf_counter_ns()
+        done.set()
+
+    service = tickler.Service(handler, capacity=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        for _ in range(n):
+            done = trio.Event()
+            await trio.testing.wait_all_tasks_blocked()  # the service is idle
+            t0 = time.perf_counter_ns()
+            service.enqueue_request(t0)
+            await done.wait()
+            latencies.append(started_at - t0)
+        await service.stop()
+    return latencies
+
+
+async def trickle_pool(n: int) -> list[float]:
+    latencies: list[float] = []
+    send, receive = trio.open_memory_channel[int](0)
+    started_at = 0
+    done = trio.Event()
+
+    async def worker() -> None:
+        nonlocal started_at
+        async for _ in receive:
+            started_at = time.perf_counter_ns()
+            done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker)
+        for _ in range(n):
+            done = trio.Event()
+            await trio.testing.wait_all_tasks_blocked()  # the worker is waiting
+            t0 = time.perf_counter_ns()
+            send.send_nowait(t0)
+            await done.wait()
+            latencies.append(started_at - t0)
+        send.close()
+    return latencies
+
+
+# -- enqueue cost -----------------------------------------------------------------
+
+
+def bare_append(n: int) -> float:
+    lock = threading.Lock()
+    queue: collections.deque[int] = collections.deque()
+    items = range(n)
+    gc.collect()
+    start = time.perf_counter_ns()
+    for x in items:
+        with lock:
+            queue.append(x)
+    return (time.perf_counter_ns() - start) / n
+
+
+async def enqueue_cost(n: int, prefill: int = 0) -> float:
+    service = tickler.Service(_checkpoint_handler, max_queue_length=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        enqueue = service.enqueue_request
+        for i in range(prefill):
+            enqueue(i)
+        items = range(n)
+        # Collect first, as for the baseline: the window then holds the
+        # collections its own allocations cause, not those of the prefill.
+        gc.collect()
+        start = time.perf_counter_ns()
+        for x in items:
+            enqueue(x)
+        elapsed = time.perf_counter_ns() - start
+        await service.stop(drain=False)
+    return elapsed / n
+
+
+# -- memory -------------------------------------------------------------------------
+
+
+async def memory_per_request(n: int) -> float:
+    """Bytes traced per request queued on a running service, beyond the request itself."""
+    requests = [object() for _ in range(n)]
+    gate = trio.Event()
+
+    async def held(request: object) -> None:
+        await gate.wait()
+
+    service = tickler.Service(held, capacity=1, max_queue_length=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        service.enqueue_request(object())  # takes the only slot and holds it
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for request in requests:
+            service.enqueue_request(request)
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert service.statistics().queued == n
+        gate.set()
+        await service.stop(drain=False)
+    return used / n
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+def _machine() -> str:
+    return (
+        f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, trio {version('trio')}, "
+        f"tickler {version('tickler')}"
+        + (f", aiojobs {version('aiojobs')}" if aiojobs is not None else "")
+    )
+
+
+def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
+    n, c = config.burst, config.concurrency
+    pool = "trio memory-channel pool"
+    table = {
+        "tickler": Row("tickler", "burst", "tickler", [], "req/s", "pool", ("ratio", ">=", 1.2)),
+        "tickler_var": Row(
+            "tickler_var", "burst", "tickler, a contextvar set", [], "req/s", "pool"
+        ),
+        "pool": Row("pool", "burst", pool, [], "req/s"),
+        "spawn": Row("spawn", "burst", "trio spawn per request + limiter", [], "req/s", "pool"),
+        "aiojobs": Row("aiojobs", "burst", "aiojobs (asyncio)", [], "req/s", "pool"),
+        "vs_aiojobs": Row(
+            "vs_aiojobs", "burst", "tickler", [], "req/s", "aiojobs", ("ratio", ">=", 10.0)
+        ),
+        "wakeups": Row("wakeups", "burst", "tickler wake-ups per request", [], "wakeups/req"),
+        "p50": Row("p50", "trickle p50", "tickler", [], "us", "p50_pool", ("ratio", "<=", 1.5)),
+        "p50_pool": Row("p50_pool", "trickle p50", "worker pool hand-off", [], "us"),
+        "p99": Row("p99", "trickle p99", "tickler", [], "us", "p99_pool"),
+        "p99_pool": Row("p99_pool", "trickle p99", "worker pool hand-off", [], "us"),
+        "enqueue": Row(
+            "enqueue", "enqueue", "tickler", [], "ns/call", "bare", ("ratio", "<=", 5.0)
+        ),
+        "enqueue_var": Row(
+            "enqueue_var", "enqueue", "tickler, a contextvar set", [], "ns/call", "bare"
+        ),
+        "bare": Row("bare", "enqueue", "bare `with lock: deque.append(x)`", [], "ns/call"),
+    }
+    first = config.prefill[0]
+    for prefill in config.prefill:
+        table[f"scaling{prefill}"] = Row(
+            f"scaling{prefill}",
+            "scaling",
+            f"enqueue with {prefill:,} queued",
+            [],
+            "ns/call",
+            None if prefill == first else f"scaling{first}",
+            None if prefill == first else ("ratio", "<=", 1.5),
+        )
+    table["memory"] = Row(
+        "memory", "memory", "per queued request", [], "bytes", None, ("value", "<=", 160)
+    )
+    table["memory_var"] = Row(
+        "memory_var", "memory", "per queued request, a contextvar set", [], "bytes"
+    )
+
+    def sample(key: str, value: float) -> None:
+        table[key].samples.append(value)
+
+    for round_no in range(config.rounds):
+        out(f"  round {round_no + 1}/{config.rounds}: burst")
+        elapsed, wakeups = in_context(False, trio.run, burst_tickler, n, c)
+        sample("tickler", n / elapsed)
+        sample("vs_aiojobs", n / elapsed)
+        sample("wakeups", wakeups)
+        sample("tickler_var", n / in_context(True, trio.run, burst_tickler, n, c)[0])
+        sample("pool", n / in_context(False, trio.run, burst_pool, n, c))
+        sample("spawn", n / in_context(False, trio.run, burst_spawn, n, c))
+        if aiojobs is not None:
+            sample("aiojobs", n / in_context(False, asyncio.run, burst_aiojobs(n, c)))
+
+        out(f"  round {round_no + 1}/{config.rounds}: trickle")
+        for key, latencies in (
+            ("p50", in_context(False, trio.run, trickle_tickler, config.trickle)),
+            ("p50_pool", in_context(False, trio.run, trickle_pool, config.trickle)),
+        ):
+            sample(key, statistics.median(latencies) / 1000)
+            sample(key.replace("50", "99"), statistics.quantiles(latencies, n=100)[98] / 1000)
+
+        out(f"  round {round_no + 1}/{config.rounds}: enqueue and scaling")
+        sample("bare", bare_append(config.enqueue_calls))
+        sample("enqueue", in_context(False, trio.run, enqueue_cost, config.enqueue_calls))
+        sample("enqueue_var", in_context(True, trio.run, enqueue_cost, config.enqueue_calls))
+        for prefill in config.prefill:
+            cost = in_context(False, trio.run, enqueue_cost, config.enqueue_calls, prefill)
+            sample(f"scaling{prefill}", cost)
+
+        sample("memory", in_context(False, trio.run, memory_per_request, config.memory))
+        sample("memory_var", in_context(True, trio.run, memory_per_request, config.memory))
+    return list(table.values())
+
+
+def ratio(row: Row, rows: dict[str, Row]) -> float | None:
+    """The row's median over its baseline's median, when both were measured."""
+    base = rows.get(row.baseline) if row.baseline else None
+    if base is None or not row.samples or not base.samples:
+        return None
+    return row.median / base.median
+
+
+def verdict(row: Row, rows: dict[str, Row]) -> str:
+    """'met', 'MISSED' or 'not measured' for a row with a target; '' without one."""
+    if row.target is None:
+        return ""
+    kind, op, bound = row.target
+    value = ratio(row, rows) if kind == "ratio" else (row.median if row.samples else None)
+    if value is None:
+        return "not measured"
+    met = value >= bound if op == ">=" else value <= bound
+    return "met" if met else "MISSED"
+
+
+def render(table: list[Row], config: Config) -> str:
+    rows = {row.key: row for row in table}
+    lines = [
+        "| workload | variant | median | unit | ratio | target | status |",
+        "|---|---|---:|---|---|---|---|",
+    ]
+    for row in table:
+        median = "skipped" if not row.samples else f"{row.median:,.{3 if row.median < 10 else 0}f}"
+        r = ratio(row, rows)
+        base = rows[row.baseline].variant if row.baseline else ""
+        ratio_text = "" if r is None else f"{r:.2f}x {base}"
+        target = ""
+        if row.target is not None:
+            kind, op, bound = row.target
+            target = f"{op} {bound:g}{'x' if kind == 'ratio' else ' ' + row.unit}"
+        lines.append(
+            f"| {row.workload} | {row.variant} | {median} | {row.unit} | {ratio_text} |"
+            f" {target} | {verdict(row, rows)} |"
+        )
+    lines += [
+        "",
+        f"Burst: {config.burst:,} no-op requests (one checkpoint each) at concurrency"
+        f" {config.concurrency}, all enqueued at once; tickler"
+        f" {1e6 / rows['tickler'].median:.2f} us/request. Trickle: {config.trickle:,} requests"
+        f" on an idle service. Enqueue: {config.enqueue_calls:,} calls in a row, garbage"
+        f" collection included. Medians of {config.rounds} rounds.",
+        f"Machine: {_machine()}.",
+    ]
+    if aiojobs is None:
+        lines.append("aiojobs skipped: install the bench extra (pip install -e '.[bench]').")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
+    parser.add_argument("--rounds", type=int, help="rounds per workload (default 5)")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else Config()
+    if args.rounds is not None:
+        config.rounds = args.rounds
+    print(f"running the {'quick' if args.quick else 'full'} benchmark", file=sys.stderr)
+    table = run(config, out=lambda line: print(line, file=sys.stderr))
+    print(render(table, config))
+
+
+if __name__ == "__main__":
+    main()
