@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"running the {'quick' if args.quick else 'full'} benchmark", file=sys.stderr)
     table = run(config, out=lambda line: print(line, file=sys.stderr))
     print(render(table, config))
+    if args.quick:
+        print("Quick run: a smoke check. Its sizes are too small to judge the targets.")
 
 
 if __name__ == "__main__":
