@@ -196,7 +196,7 @@ async def serve(
             async with trio.open_nursery() as nursery:
                 binds = await nursery.start(
                     lambda task_status: hypercorn.trio.serve(
-                        make_app(store, service),
+                        make_app(store, service),  # type: ignore[arg-type]  # Starlette and hypercorn type ASGI apart
                         config,
                         shutdown_trigger=shutdown.wait,
                         task_status=task_status,

@@ -1,0 +1,288 @@
+"""examples/site_manager over real sockets and real SQLite, driven by httpx."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from examples.site_manager import Settings, serve
+from examples.site_manager.workflow import BOOTSTRAP_TABLES
+
+ROOT = Path(__file__).parent.parent
+FAST = {"latency": 0.002, "retry_initial": 0.005, "retry_maximum": 0.05}
+
+
+@attrs.define
+class Server:
+    url: str
+    shutdown: trio.Event
+    scope: trio.CancelScope
+
+
+@asynccontextmanager
+async def running(settings: Settings) -> AsyncIterator[Server]:
+    """Serve on 127.0.0.1, port 0, until the block ends (graceful) or the scope is cancelled."""
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def run(task_status: trio.TaskStatus[str]) -> None:
+            with scope:
+                await serve(settings, shutdown=shutdown, task_status=task_status)
+
+        url = await nursery.start(run)
+        yield Server(url, shutdown, scope)
+        shutdown.set()
+
+
+def settings(data: Path, **overrides: Any) -> Settings:
+    return Settings(data=data, port=0, **{**FAST, **overrides})
+
+
+async def create(client: httpx.AsyncClient, index: int) -> httpx.Response:
+    body = {"name": f"Site {index}", "tagline": "a site", "domain": f"site-{index}"}
+    return await client.post("/sites", json=body)
+
+
+async def wait_for(client: httpx.AsyncClient, ids: list[int], state: str) -> None:
+    """Poll until every site is in `state`."""
+    with trio.fail_after(40):
+        pending = set(ids)
+        while pending:
+            for site_id in sorted(pending):
+                response = await client.get(f"/sites/{site_id}")
+                if response.json()["state"] == state:
+                    pending.discard(site_id)
+            if pending:
+                await trio.sleep(0.05)
+
+
+def assert_provisioned(data: Path, site_id: int) -> None:
+    assert (data / "sites" / str(site_id)).is_dir()
+    connection = sqlite3.connect(data / "databases" / f"{site_id}.sqlite3")
+    try:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
+    finally:
+        connection.close()
+    assert set(BOOTSTRAP_TABLES) <= tables
+
+
+def assert_removed(data: Path, site_id: int) -> None:
+    assert not (data / "sites" / str(site_id)).exists()
+    assert not (data / "databases" / f"{site_id}.sqlite3").exists()
+    assert not (data / "metadata" / f"{site_id}.json").exists()
+
+
+async def test_all_sites_reach_running_despite_faults(tmp_path: Path) -> None:
+    """200 sites with a 30% backend failure rate all end running and fully provisioned."""
+    async with (
+        running(settings(tmp_path, fail_rate=0.3, seed=7)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        responses = [await create(client, i) for i in range(200)]
+        assert {r.status_code for r in responses} == {202}
+        ids = [r.json()["id"] for r in responses]
+        assert responses[0].headers["location"] == f"/sites/{ids[0]}"
+        assert responses[0].json()["state"] == "creating"
+        await wait_for(client, ids, "running")
+        statuses = [(await client.get(f"/sites/{i}")).json() for i in ids]
+        stats = (await client.get("/stats")).json()
+    assert all(s["metadata_ready"] and s["bootstrapped"] for s in statuses)
+    assert sum(sum(s["attempts"].values()) for s in statuses) > 4 * 200  # failures were retried
+    assert stats["retried"] > 0
+    assert stats["failed"] == 0
+    for site_id in ids:
+        assert_provisioned(tmp_path, site_id)
+
+
+async def test_delete_during_creation_leaves_nothing(tmp_path: Path) -> None:
+    """Sites deleted at every stage of creation end deleted, with no files left."""
+    async with (
+        running(settings(tmp_path, latency=0.04)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        ids = []
+        for i in range(12):
+            ids.append((await create(client, i)).json()["id"])
+            await trio.sleep(0.02 * i)  # later sites get further before their delete
+            response = await client.delete(f"/sites/{ids[-1]}")
+            assert response.status_code == 202
+            assert response.json()["state"] in {"deleting", "deleted"}
+        await wait_for(client, ids, "deleted")
+        await trio.sleep(0.3)  # aborted steps have had time to do any damage
+        assert {(await client.get(f"/sites/{i}")).json()["state"] for i in ids} == {"deleted"}
+        # The domain is free again once its site is deleted.
+        assert (await create(client, 0)).status_code == 202
+    for site_id in ids:
+        assert_removed(tmp_path, site_id)
+
+
+async def test_delete_of_a_running_site_removes_it(tmp_path: Path) -> None:
+    """A running site's delete workflow removes its directory, database and metadata."""
+    async with (
+        running(settings(tmp_path)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        site_id = (await create(client, 1)).json()["id"]
+        await wait_for(client, [site_id], "running")
+        assert_provisioned(tmp_path, site_id)
+        assert (await client.delete(f"/sites/{site_id}")).status_code == 202
+        await wait_for(client, [site_id], "deleted")
+    assert_removed(tmp_path, site_id)
+
+
+async def test_backpressure_answers_503_and_loses_nothing(tmp_path: Path) -> None:
+    """A flood against a small queue gets some 503s; every 202 reaches running."""
+    responses: list[httpx.Response] = []
+    async with (
+        running(settings(tmp_path, latency=0.03, capacity=2, max_queue_length=3)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+
+        async def post(index: int) -> None:
+            responses.append(await create(client, index))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(60):
+                nursery.start_soon(post, i)
+        refused = [r for r in responses if r.status_code == 503]
+        accepted = [r for r in responses if r.status_code == 202]
+        assert len(refused) + len(accepted) == 60
+        assert refused
+        assert accepted
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert refused[0].json() == {"error": "too many pending requests, retry later"}
+        ids = [r.json()["id"] for r in accepted]
+        await wait_for(client, ids, "running")
+        stats = (await client.get("/stats")).json()
+    assert stats["rejected"] >= len(refused)
+    for site_id in ids:
+        assert_provisioned(tmp_path, site_id)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tagline": "t", "domain": "d"}, "field 'name' is required"),
+        ({"name": "n", "domain": "d"}, "field 'tagline' is required"),
+        ({"name": "n", "tagline": "t"}, "field 'domain' is required"),
+        ({"name": "  ", "tagline": "t", "domain": "d"}, "field 'name' must not be empty"),
+        ({"name": "n", "tagline": "", "domain": "d"}, "field 'tagline' must not be empty"),
+        ({"name": "n", "tagline": "t", "domain": 5}, "field 'domain' must be a string"),
+        ({"name": "n" * 101, "tagline": "t", "domain": "d"}, "name must be at most 100 characters"),
+        ([1, 2], "body must be a JSON object"),
+    ]
+    + [
+        (
+            {"name": "n", "tagline": "t", "domain": domain},
+            "domain must be a valid DNS label: 1 to 63 letters, digits or hyphens,"
+            " not starting or ending with a hyphen",
+        )
+        for domain in ("bad_label", "-lead", "trail-", "a" * 64, "dots.example", "spa ce")
+    ],
+)
+async def test_bad_input_gets_its_exact_400(tmp_path: Path, body: object, message: str) -> None:
+    """Each invalid body is refused with 400 and a message naming the rule."""
+    async with (
+        running(settings(tmp_path)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        response = await client.post("/sites", json=body)
+        assert (response.status_code, response.json()) == (400, {"error": message})
+        stats = (await client.get("/stats")).json()
+    assert stats["enqueued"] == 0
+
+
+async def test_not_json_taken_domain_and_unknown_ids(tmp_path: Path) -> None:
+    """Non-JSON bodies get 400, a taken domain 409, an unknown id 404."""
+    async with (
+        running(settings(tmp_path)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        response = await client.post("/sites", content=b"{not json")
+        assert (response.status_code, response.json()) == (
+            400,
+            {"error": "body must be a JSON object"},
+        )
+        assert (await create(client, 1)).status_code == 202
+        taken = await create(client, 1)
+        assert (taken.status_code, taken.json()) == (
+            409,
+            {"error": "domain 'site-1' is already taken"},
+        )
+        for method in ("GET", "DELETE"):
+            missing = await client.request(method, "/sites/999")
+            assert (missing.status_code, missing.json()) == (404, {"error": "no site with id 999"})
+
+
+async def test_restart_recovery_finishes_the_work(tmp_path: Path) -> None:
+    """After a hard stop mid-workflow, a new server on the same data finishes every site."""
+    slow = settings(tmp_path, latency=0.05)
+    async with running(slow) as server, httpx.AsyncClient(base_url=server.url) as client:
+        ids = [(await create(client, i)).json()["id"] for i in range(30)]
+        doomed = (await create(client, 99)).json()["id"]
+        await client.delete(f"/sites/{doomed}")
+        await trio.sleep(0.15)
+        states = {(await client.get(f"/sites/{i}")).json()["state"] for i in ids}
+        server.scope.cancel()  # a hard stop: nothing is drained
+    assert "creating" in states  # the stop really came mid-workflow
+    async with running(slow) as server, httpx.AsyncClient(base_url=server.url) as client:
+        await wait_for(client, ids, "running")
+        await wait_for(client, [doomed], "deleted")
+    for site_id in ids:
+        assert_provisioned(tmp_path, site_id)
+    assert_removed(tmp_path, doomed)
+
+
+async def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
+    """SIGTERM stops taking requests, drains within a bounded time, exits 0; recovery finishes."""
+    command = [
+        sys.executable,
+        "-m",
+        "examples.site_manager",
+        "--data",
+        str(tmp_path),
+        "--port",
+        "0",
+        "--latency",
+        "0.05",
+        "--shutdown-timeout",
+        "0.5",
+    ]
+    process = await trio.lowlevel.open_process(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert process.stdout is not None
+    output = b""
+    with trio.fail_after(20):
+        while b"listening on " not in output:
+            chunk = await process.stdout.receive_some()
+            assert chunk, output
+            output += chunk
+    url = output.split(b"listening on ")[1].split()[0].decode()
+    async with httpx.AsyncClient(base_url=url) as client:
+        ids = [(await create(client, i)).json()["id"] for i in range(25)]
+    process.send_signal(signal.SIGTERM)
+    with trio.fail_after(15):
+        assert await process.wait() == 0
+    async with httpx.AsyncClient() as probe:
+        with pytest.raises(httpx.ConnectError):
+            await probe.get(url)  # the old server is gone
+    async with (
+        running(settings(tmp_path)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        await wait_for(client, ids, "running")
+    for site_id in ids:
+        assert_provisioned(tmp_path, site_id)
