@@ -605,3 +605,31 @@ async def test_due_retry_without_a_free_slot_waits_quietly(
             await flaky.wait()
         assert flaky.attempts == 2
         await service.stop()
+
+
+async def test_handlers_that_never_yield_cannot_starve_other_tasks() -> None:
+    """A processor chaining non-yielding handlers still gives the scheduler regular turns."""
+
+    async def instant(request: int) -> int:
+        return request
+
+    turns = 0
+    done = False
+
+    async def watcher() -> None:
+        nonlocal turns
+        while not done:
+            await trio.lowlevel.checkpoint()
+            turns += 1
+
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(instant, capacity=1, max_queue_length=None)
+        await nursery.start(service.run)
+        nursery.start_soon(watcher)
+        tickets = [service.enqueue_request(i) for i in range(1000)]
+        await tickets[-1].wait()
+        done = True
+        await service.stop()
+    # One processor ran all 1000; it yielded at least once every 64 requests.
+    assert service.statistics().succeeded == 1000
+    assert turns >= 1000 // 64

@@ -570,14 +570,17 @@ class Service:
                     ticket.status = _SUCCEEDED
                     if type(state) is Waiting:
                         state.event.set()
-                del state, captured, awaitable
-                if not self._may_start or self._in_flight >= self._capacity:
-                    return
+                    del result
+                # The request is final: keep nothing of it while choosing the next.
+                del state, captured, awaitable, ticket
                 chained += 1
                 if chained == _CHAIN_BUDGET:
                     # Handlers that never yield must not starve other tasks.
                     chained = 0
                     await trio.lowlevel.cancel_shielded_checkpoint()
+                    now = clock.current_time()
+                if not self._may_start or self._in_flight >= self._capacity:
+                    return
                 if heap and heap[0][0] <= now:
                     following = self._take(now)
                     assert following is not None
