@@ -633,3 +633,44 @@ async def test_handlers_that_never_yield_cannot_starve_other_tasks() -> None:
     # One processor ran all 1000; it yielded at least once every 64 requests.
     assert service.statistics().succeeded == 1000
     assert turns >= 1000 // 64
+
+
+async def test_an_idle_service_reuses_parked_processors() -> None:
+    """A processor with no work parks, and the loop hands it the next start instead of spawning."""
+    tasks: list[trio.lowlevel.Task] = []
+
+    async def handler(request: int) -> None:
+        tasks.append(trio.lowlevel.current_task())
+        await trio.lowlevel.checkpoint()
+
+    async with tickler.open_service(handler, capacity=3) as service:
+        for i in range(5):
+            await service.enqueue_request(i).wait()
+            await trio.testing.wait_all_tasks_blocked()  # idle again between requests
+    assert len(tasks) == 5
+    assert len(set(tasks)) == 1
+
+
+async def test_parked_processors_never_outnumber_the_cap() -> None:
+    """After a burst, at most `capacity` idle processors stay parked; stop releases them."""
+    gate = trio.Event()
+
+    async def handler(request: int) -> None:
+        await gate.wait()
+
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(handler, capacity=4)
+        await nursery.start(service.run)
+        for i in range(4):
+            service.enqueue_request(i)
+        await trio.testing.wait_all_tasks_blocked()
+        service.capacity = 2
+        gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        [service_nursery] = [
+            child for task in nursery.child_tasks for child in task.child_nurseries
+        ]
+        # Four processors finished; two stay parked (the loop runs in run's own task).
+        assert len(service_nursery.child_tasks) == 2
+        await service.stop()
+        assert service_nursery.child_tasks == frozenset()

@@ -145,6 +145,7 @@ class Service:
         "_handler",
         "_heap",
         "_heap_seq",
+        "_idle",
         "_in_flight",
         "_last_id",
         "_limiter",
@@ -225,6 +226,8 @@ class Service:
         # retry never needs a queue place, so a full queue cannot block it.
         self._heap: list[tuple[float, int, Ticket]] = []
         self._heap_seq = itertools.count()
+        # Processors with nothing to do, parked until the loop hands them a start.
+        self._idle: list[_Parked] = []
 
         self._last_id = 0  # also the `enqueued` counter
         self._started = 0
@@ -429,6 +432,7 @@ class Service:
         while True:
             self._dispatch()
             if self._stop_called and self._in_flight == 0 and not self._queue and not heap:
+                self._release_idle()
                 return
             # A retry already due is waiting for a slot, and a completion will
             # tickle: only a retry due later needs the timer.
@@ -458,9 +462,15 @@ class Service:
                 return
             slot = _Slot(ticket.id)
             limiter.acquire_on_behalf_of_nowait(slot)
-            # Processors start in an empty context, so that requests enqueued
-            # without contextvars can run without switching contexts.
-            _EMPTY_CONTEXT.copy().run(nursery.start_soon, self._process, ticket, slot)
+            if self._idle:
+                # A parked processor takes the start: no task spawn.
+                parked = self._idle.pop()
+                parked.handed = (ticket, slot)
+                trio.lowlevel.reschedule(parked.task)
+            else:
+                # Processors start in an empty context, so that requests
+                # enqueued without contextvars can run without switching.
+                _EMPTY_CONTEXT.copy().run(nursery.start_soon, self._process, ticket, slot)
             if self._debug:
                 logger.debug("replenished: now %d/%d slots in use", self._in_flight, self._capacity)
         if self._debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
@@ -504,8 +514,9 @@ class Service:
     async def _process(self, ticket: Ticket, slot: _Slot) -> None:
         """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
 
-        Keeping the slot saves a task spawn per request. Only the supervisor
-        starts processors into free slots.
+        Keeping the slot saves a task spawn per request. With nothing left to
+        take, the processor gives its slot back and parks until the supervisor,
+        which owns every start into a free slot, hands it the next one.
         """
         clock = self._clock
         assert clock is not None
@@ -516,96 +527,133 @@ class Service:
         lock = self._lock
         now = clock.current_time()
         chained = 0
-        try:
-            while True:
-                state = ticket._state
-                captured = state if type(state) is _Context else state.context
-                ticket.status = _RUNNING
-                ticket.attempts += 1
-                ticket.started_at = now
-                self._started += 1
-                if self._debug:
-                    logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
-                try:
-                    if not captured and not _copy_context():
-                        # Both the request's context and this task's are
-                        # empty, so running the handler right here is exactly
-                        # running it in a fresh copy of the request's context.
-                        awaitable = handler(ticket.request)
-                        if type(awaitable) is not _Coroutine:
-                            _steps_of(awaitable)
-                        if timeout is None:
-                            result = await awaitable
-                        else:
-                            with trio.move_on_at(now + timeout) as scope:
-                                result = await awaitable
-                    else:
-                        context = captured.copy()
-                        awaitable = context.run(handler, ticket.request)
-                        steps = awaitable if type(awaitable) is _Coroutine else _steps_of(awaitable)
-                        if timeout is None:
-                            result = await _drive(context.run, steps.send, steps.throw)
-                        else:
-                            with trio.move_on_at(now + timeout) as scope:
-                                result = await _drive(context.run, steps.send, steps.throw)
-                    if timeout is not None and scope.cancelled_caught:
-                        # Raised here so that a timeout is one more failure.
-                        raise TimeoutError(  # noqa: TRY301
-                            f"attempt timed out after {timeout:g} seconds"
-                        )
-                except Exception as exc:
-                    now = clock.current_time()
-                    self._attempt_failed(ticket, exc, now)
-                except BaseException as exc:
-                    # Cancelled, KeyboardInterrupt and the like: record the
-                    # request's final state and let the exception go on.
-                    self._abort(ticket, exc)
-                    raise
-                else:
-                    now = clock.current_time()
-                    self._in_flight -= 1
-                    self._succeeded += 1
-                    state = ticket._state  # a waiter may have wrapped it meanwhile
-                    ticket._state = (now, result)
-                    ticket.status = _SUCCEEDED
-                    if type(state) is Waiting:
-                        state.event.set()
-                    del result
-                # The request is final: keep nothing of it while choosing the next.
-                del state, captured, awaitable, ticket
-                chained += 1
-                if chained == _CHAIN_BUDGET:
-                    # Handlers that never yield must not starve other tasks.
-                    chained = 0
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                    now = clock.current_time()
-                if not self._may_start or self._in_flight >= self._capacity:
-                    return
-                if heap and heap[0][0] <= now:
-                    following = self._take(now)
-                    assert following is not None
-                    ticket = following
-                elif queue:
-                    # The common case of _take, inlined for the hot path.
-                    lock.acquire()
-                    try:
-                        length = len(queue)
-                        if length > self._peak:
-                            self._peak = length
-                        ticket = queue.popleft()
-                    finally:
-                        lock.release()
-                    self._in_flight += 1
+        while True:  # one slot after another
+            try:
+                while True:
+                    state = ticket._state
+                    captured = state if type(state) is _Context else state.context
+                    ticket.status = _RUNNING
+                    ticket.attempts += 1
+                    ticket.started_at = now
+                    self._started += 1
                     if self._debug:
-                        logger.debug("request #%d dequeued", ticket.id)
-                else:
-                    return
-        finally:
-            # A completion that frees a slot tickles the loop.
-            self._limiter.release_on_behalf_of(slot)
-            self._tickle()
-            if self._debug:
-                logger.debug("slot freed: now %d/%d slots in use", self._in_flight, self._capacity)
+                        logger.debug(
+                            "processing request #%d (attempt %d)", ticket.id, ticket.attempts
+                        )
+                    try:
+                        if not captured and not _copy_context():
+                            # Both the request's context and this task's are
+                            # empty, so running the handler right here is exactly
+                            # running it in a fresh copy of the request's context.
+                            awaitable = handler(ticket.request)
+                            if type(awaitable) is not _Coroutine:
+                                _steps_of(awaitable)
+                            if timeout is None:
+                                result = await awaitable
+                            else:
+                                with trio.move_on_at(now + timeout) as scope:
+                                    result = await awaitable
+                        else:
+                            context = captured.copy()
+                            awaitable = context.run(handler, ticket.request)
+                            steps = (
+                                awaitable if type(awaitable) is _Coroutine else _steps_of(awaitable)
+                            )
+                            if timeout is None:
+                                result = await _drive(context.run, steps.send, steps.throw)
+                            else:
+                                with trio.move_on_at(now + timeout) as scope:
+                                    result = await _drive(context.run, steps.send, steps.throw)
+                        if timeout is not None and scope.cancelled_caught:
+                            # Raised here so that a timeout is one more failure.
+                            raise TimeoutError(  # noqa: TRY301
+                                f"attempt timed out after {timeout:g} seconds"
+                            )
+                    except Exception as exc:
+                        now = clock.current_time()
+                        self._attempt_failed(ticket, exc, now)
+                    except BaseException as exc:
+                        # Cancelled, KeyboardInterrupt and the like: record the
+                        # request's final state and let the exception go on.
+                        self._abort(ticket, exc)
+                        raise
+                    else:
+                        now = clock.current_time()
+                        self._in_flight -= 1
+                        self._succeeded += 1
+                        state = ticket._state  # a waiter may have wrapped it meanwhile
+                        ticket._state = (now, result)
+                        ticket.status = _SUCCEEDED
+                        if type(state) is Waiting:
+                            state.event.set()
+                        del result
+                    # The request is final: keep nothing of it while choosing the next.
+                    del state, captured, awaitable, ticket
+                    chained += 1
+                    if chained == _CHAIN_BUDGET:
+                        # Handlers that never yield must not starve other tasks.
+                        chained = 0
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                        now = clock.current_time()
+                    if not self._may_start or self._in_flight >= self._capacity:
+                        break
+                    if heap and heap[0][0] <= now:
+                        following = self._take(now)
+                        assert following is not None
+                        ticket = following
+                    elif queue:
+                        # The common case of _take, inlined for the hot path.
+                        lock.acquire()
+                        try:
+                            length = len(queue)
+                            if length > self._peak:
+                                self._peak = length
+                            ticket = queue.popleft()
+                        finally:
+                            lock.release()
+                        self._in_flight += 1
+                        if self._debug:
+                            logger.debug("request #%d dequeued", ticket.id)
+                    else:
+                        break
+            finally:
+                # A completion that frees a slot tickles the loop.
+                self._limiter.release_on_behalf_of(slot)
+                self._tickle()
+                if self._debug:
+                    logger.debug(
+                        "slot freed: now %d/%d slots in use", self._in_flight, self._capacity
+                    )
+            handed = await self._park()
+            if handed is None:
+                return
+            ticket, slot = handed
+            now = clock.current_time()
+            chained = 0
+
+    async def _park(self) -> tuple[Ticket, _Slot] | None:
+        """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
+
+        At most `capacity` processors wait; the others exit at once.
+        """
+        idle = self._idle
+        if not self._may_start or self._stop_called or len(idle) >= self._capacity:
+            return None
+        parked = _Parked(trio.lowlevel.current_task())
+        idle.append(parked)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            idle.remove(parked)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return parked.handed
+
+    def _release_idle(self) -> None:
+        """Tell every parked processor to exit."""
+        idle = self._idle
+        while idle:
+            trio.lowlevel.reschedule(idle.pop().task)
 
     def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
         state = ticket._state
@@ -762,6 +810,16 @@ class _Slot:
 
     def __repr__(self) -> str:
         return f"<tickler slot started for request #{self.request_id}>"
+
+
+class _Parked:
+    """A processor waiting for a start, and the start once the loop hands it over."""
+
+    __slots__ = ("handed", "task")
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.handed: tuple[Ticket, _Slot] | None = None
 
 
 def _by_id(ticket: Ticket) -> int:
