@@ -151,6 +151,7 @@ class Service:
         "_limiter",
         "_lock",
         "_may_start",
+        "_now",
         "_nursery",
         "_on_error",
         "_peak",
@@ -249,6 +250,7 @@ class Service:
 
         self._run_state = _NEW
         self._clock: trio.abc.Clock | None = None
+        self._now: Callable[[], float] | None = None  # the clock's bound current_time
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: int | None = None
         self._nursery: trio.Nursery | None = None
@@ -296,8 +298,8 @@ class Service:
             # One shared empty Context serves every request enqueued without
             # contextvars: no per-request Context to keep or to collect.
             context = _EMPTY_CONTEXT
-        clock = self._clock
-        now = clock.current_time() if clock is not None else None
+        clock_now = self._now
+        now = clock_now() if clock_now is not None else None
         lock = self._lock
         # acquire/release rather than `with`: the context-manager protocol
         # costs about as much again as the lock itself on this path.
@@ -310,8 +312,8 @@ class Service:
                 if self._closed:
                     raise ServiceClosed(f"service {self.name!r} is closed")
                 raise QueueFull(f"service {self.name!r} already has {length} queued requests")
-            if now is None and self._clock is not None:
-                now = self._clock.current_time()  # the run started meanwhile
+            if now is None and self._now is not None:
+                now = self._now()  # the run started meanwhile
             self._last_id = ticket_id = self._last_id + 1
             ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, context)
             queue.append(ticket)
@@ -412,6 +414,7 @@ class Service:
             self._token = trio.lowlevel.current_trio_token()
             self._thread = _get_ident()
             self._clock = clock
+            self._now = clock.current_time
             for ticket in self._queue:
                 ticket.enqueued_at = now
         try:
@@ -518,14 +521,14 @@ class Service:
         take, the processor gives its slot back and parks until the supervisor,
         which owns every start into a free slot, hands it the next one.
         """
-        clock = self._clock
-        assert clock is not None
+        clock_now = self._now
+        assert clock_now is not None
         handler = self._handler
         timeout = self._timeout
         heap = self._heap
         queue = self._queue
         lock = self._lock
-        now = clock.current_time()
+        now = clock_now()
         chained = 0
         while True:  # one slot after another
             try:
@@ -570,7 +573,7 @@ class Service:
                                 f"attempt timed out after {timeout:g} seconds"
                             )
                     except Exception as exc:
-                        now = clock.current_time()
+                        now = clock_now()
                         self._attempt_failed(ticket, exc, now)
                     except BaseException as exc:
                         # Cancelled, KeyboardInterrupt and the like: record the
@@ -578,7 +581,7 @@ class Service:
                         self._abort(ticket, exc)
                         raise
                     else:
-                        now = clock.current_time()
+                        now = clock_now()
                         self._in_flight -= 1
                         self._succeeded += 1
                         state = ticket._state  # a waiter may have wrapped it meanwhile
@@ -594,7 +597,7 @@ class Service:
                         # Handlers that never yield must not starve other tasks.
                         chained = 0
                         await trio.lowlevel.cancel_shielded_checkpoint()
-                        now = clock.current_time()
+                        now = clock_now()
                     if not self._may_start or self._in_flight >= self._capacity:
                         break
                     if heap and heap[0][0] <= now:
@@ -628,7 +631,7 @@ class Service:
             if handed is None:
                 return
             ticket, slot = handed
-            now = clock.current_time()
+            now = clock_now()
             chained = 0
 
     async def _park(self) -> tuple[Ticket, _Slot] | None:
