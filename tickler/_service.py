@@ -550,28 +550,25 @@ class Service:
                             # running it in a fresh copy of the request's context.
                             awaitable = handler(ticket.request)
                             if type(awaitable) is not _Coroutine:
-                                _steps_of(awaitable)
-                            if timeout is None:
-                                result = await awaitable
-                            else:
-                                with trio.move_on_at(now + timeout) as scope:
-                                    result = await awaitable
+                                _steps_of(awaitable)  # refuses what is not awaitable
+                            attempt = awaitable
                         else:
                             context = captured.copy()
                             awaitable = context.run(handler, ticket.request)
                             steps = (
                                 awaitable if type(awaitable) is _Coroutine else _steps_of(awaitable)
                             )
-                            if timeout is None:
-                                result = await _drive(context.run, steps.send, steps.throw)
-                            else:
-                                with trio.move_on_at(now + timeout) as scope:
-                                    result = await _drive(context.run, steps.send, steps.throw)
-                        if timeout is not None and scope.cancelled_caught:
-                            # Raised here so that a timeout is one more failure.
-                            raise TimeoutError(  # noqa: TRY301
-                                f"attempt timed out after {timeout:g} seconds"
-                            )
+                            attempt = _drive(context.run, steps.send, steps.throw)
+                        if timeout is None:
+                            result = await attempt
+                        else:
+                            with trio.move_on_at(now + timeout) as scope:
+                                result = await attempt
+                            if scope.cancelled_caught:
+                                # Raised here so that a timeout is one more failure.
+                                raise TimeoutError(  # noqa: TRY301
+                                    f"attempt timed out after {timeout:g} seconds"
+                                )
                     except Exception as exc:
                         now = clock_now()
                         self._attempt_failed(ticket, exc, now)
