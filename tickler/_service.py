@@ -45,9 +45,6 @@ _EMPTY_CONTEXT = contextvars.Context()
 # requests in a row, even if every handler returned without yielding.
 _CHAIN_BUDGET = 64
 
-# Run states.
-_NEW, _RUNNING_RUN, _ENDED = 0, 1, 2
-
 
 def _check_capacity(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -136,7 +133,6 @@ class Service:
         "_admit",
         "_cancelled",
         "_capacity",
-        "_clock",
         "_closed",
         "_debug",
         "_failed",
@@ -160,7 +156,6 @@ class Service:
         "_retried",
         "_retry",
         "_retrying",
-        "_run_state",
         "_signal_rx",
         "_signal_tx",
         "_started",
@@ -248,9 +243,9 @@ class Service:
         self._stopped_tickets: list[Ticket] = []
         self._may_start = True
 
-        self._run_state = _NEW
-        self._clock: trio.abc.Clock | None = None
-        self._now: Callable[[], float] | None = None  # the clock's bound current_time
+        # Set when run starts: the Trio clock's bound current_time, and the
+        # token that also tells whether the service has ever run.
+        self._now: Callable[[], float] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: int | None = None
         self._nursery: trio.Nursery | None = None
@@ -404,16 +399,14 @@ class Service:
         """
         if self._stop_called and self._token is None:
             raise ServiceClosed(f"service {self.name!r} was stopped before it ran")
-        if self._run_state != _NEW:
+        if self._token is not None:
             raise RuntimeError(f"service {self.name!r} has already run")
         self._signal_tx, self._signal_rx = trio.open_memory_channel[None](1)
         clock = trio.lowlevel.current_clock()
         now = clock.current_time()
         with self._lock:
-            self._run_state = _RUNNING_RUN
             self._token = trio.lowlevel.current_trio_token()
             self._thread = _get_ident()
-            self._clock = clock
             self._now = clock.current_time
             for ticket in self._queue:
                 ticket.enqueued_at = now
@@ -428,9 +421,9 @@ class Service:
     async def _supervise(self) -> None:
         """The loop: dispatch, then sleep until tickled or until the next retry is due."""
         assert self._signal_rx is not None
-        assert self._clock is not None
+        assert self._now is not None
         receive = self._signal_rx.receive
-        clock = self._clock
+        clock_now = self._now
         heap = self._heap
         while True:
             self._dispatch()
@@ -439,7 +432,7 @@ class Service:
                 return
             # A retry already due is waiting for a slot, and a completion will
             # tickle: only a retry due later needs the timer.
-            if heap and self._may_start and heap[0][0] > clock.current_time():
+            if heap and self._may_start and heap[0][0] > clock_now():
                 with trio.move_on_at(heap[0][0]):
                     await receive()
                     self._wakeup_pending = False
@@ -455,10 +448,9 @@ class Service:
             return
         limiter = self._limiter
         nursery = self._nursery
-        clock = self._clock
         assert nursery is not None
-        assert clock is not None
-        now = clock.current_time()
+        assert self._now is not None
+        now = self._now()
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
@@ -707,13 +699,16 @@ class Service:
 
     def _abort(self, ticket: Ticket, exc: BaseException) -> None:
         self._in_flight -= 1
-        clock = self._clock
-        now = clock.current_time() if clock is not None else None
+        now = self._time()
         if isinstance(exc, trio.Cancelled):
             self._cancel(ticket, now)
         else:
             self._finish(ticket, _FAILED, exc, now)
             self._failed += 1
+
+    def _time(self) -> float | None:
+        """The Trio clock's time, or None before the service has run."""
+        return self._now() if self._now is not None else None
 
     def _cancel(self, ticket: Ticket, now: float | None) -> None:
         self._finish(ticket, _CANCELLED, None, now)
@@ -724,8 +719,7 @@ class Service:
 
     def _cancel_waiting(self) -> None:
         """Cancel every request that is queued or waiting for a retry."""
-        clock = self._clock
-        now = clock.current_time() if clock is not None else None
+        now = self._time()
         with self._lock:
             waiting = list(self._queue)
             self._peak = max(self._peak, len(waiting))
@@ -738,11 +732,14 @@ class Service:
             self._retrying -= 1
             self._cancel(ticket, now)
 
-    def _wind_down(self) -> None:
+    def _close(self) -> None:
+        """Refuse every enqueue from now on."""
         with self._lock:
-            self._run_state = _ENDED
             self._closed = True
             self._admit = 0
+
+    def _wind_down(self) -> None:
+        self._close()
         self._may_start = False
         self.stopping.set()
         self._cancel_waiting()
@@ -773,11 +770,10 @@ class Service:
         if self._closed:
             await self._finished.wait()
             return list(self._stopped_tickets)
-        with self._lock:
-            self._stop_called = self._closed = True
-            self._admit = 0
+        self._stop_called = True
+        self._close()
         self.stopping.set()
-        if self._run_state == _NEW:
+        if self._token is None:
             self._wind_down()
             await trio.lowlevel.checkpoint()
             return list(self._stopped_tickets)
