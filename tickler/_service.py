@@ -517,6 +517,9 @@ class Service:
         assert clock_now is not None
         handler = self._handler
         timeout = self._timeout
+        heap = self._heap
+        queue = self._queue
+        lock = self._lock
         now = clock_now()
         chained = 0
         while True:  # one slot after another
@@ -570,7 +573,11 @@ class Service:
                         now = clock_now()
                         self._in_flight -= 1
                         self._succeeded += 1
-                        self._finish(ticket, _SUCCEEDED, result, now)
+                        state = ticket._state  # a waiter may have wrapped it meanwhile
+                        ticket._state = (now, result)
+                        ticket.status = _SUCCEEDED
+                        if type(state) is Waiting:
+                            state.event.set()
                         del result
                     # The request is final: keep nothing of it while choosing the next.
                     del state, captured, awaitable, ticket
@@ -582,10 +589,26 @@ class Service:
                         now = clock_now()
                     if not self._may_start or self._in_flight >= self._capacity:
                         break
-                    following = self._take(now)
-                    if following is None:
+                    if heap and heap[0][0] <= now:
+                        following = self._take(now)
+                        assert following is not None
+                        ticket = following
+                    elif queue:
+                        # The common case of _take, inlined: calling _take (and
+                        # _finish above) here cost about 2% of burst throughput.
+                        lock.acquire()
+                        try:
+                            length = len(queue)
+                            if length > self._peak:
+                                self._peak = length
+                            ticket = queue.popleft()
+                        finally:
+                            lock.release()
+                        self._in_flight += 1
+                        if self._debug:
+                            logger.debug("request #%d dequeued", ticket.id)
+                    else:
                         break
-                    ticket = following
             finally:
                 # A completion that frees a slot tickles the loop.
                 self._limiter.release_on_behalf_of(slot)
@@ -626,7 +649,6 @@ class Service:
             trio.lowlevel.reschedule(idle.pop().task)
 
     def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
-        """Make ``ticket`` final and wake its waiters; a waiter may have wrapped its state."""
         state = ticket._state
         ticket._state = (now, payload)
         ticket.status = status
