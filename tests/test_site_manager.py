@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sqlite3
 import subprocess
@@ -69,6 +70,8 @@ async def wait_for(client: httpx.AsyncClient, ids: list[int], state: str) -> Non
 
 
 def assert_provisioned(data: Path, site_id: int) -> None:
+    metadata = json.loads((data / "metadata" / f"{site_id}.json").read_text())
+    assert set(metadata) == {"name", "domain"}
     assert (data / "sites" / str(site_id)).is_dir()
     connection = sqlite3.connect(data / "databases" / f"{site_id}.sqlite3")
     try:

@@ -9,6 +9,7 @@ tickler's :class:`~tickler.Retry`.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import sqlite3
@@ -132,7 +133,7 @@ class Workflow:
             return
         await self.backend.call()
         path = self.metadata_file(status["id"])
-        payload = f'{{"name": {status["name"]!r}, "domain": {status["domain"]!r}}}'
+        payload = json.dumps({"name": status["name"], "domain": status["domain"]})
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
