@@ -65,6 +65,15 @@ FOLLOWERS = {
 }
 
 
+# The status flag each creation step sets.
+FLAG_OF = {
+    "metadata": "metadata_ready",
+    "fs": "fs_ready",
+    "db": "db_ready",
+    "bootstrap": "bootstrapped",
+}
+
+
 def next_steps(status: dict[str, Any]) -> list[Step]:
     """The steps that move a site on from its status flags."""
     site_id = status["id"]
@@ -125,59 +134,39 @@ class Workflow:
                 await self.store.mark_running(step.site_id)
                 return
             await self.store.count_attempt(step.site_id, step.name)
-            await getattr(self, f"_{step.name}")(status)
+            await self._create(step.name, status)
         self.enqueue(Step(name, step.site_id) for name in FOLLOWERS[step.name])
 
-    async def _metadata(self, status: dict[str, Any]) -> None:
-        if status["metadata_ready"]:
+    async def _create(self, step: str, status: dict[str, Any]) -> None:
+        """Do one creation step unless its flag is set, then set the flag."""
+        flag = FLAG_OF[step]
+        if status[flag] or (step == "bootstrap" and not status["db_ready"]):
             return
         await self.backend.call()
+        await trio.to_thread.run_sync(getattr(self, f"_{step}"), status)
+        await self.store.set_flag(status["id"], flag)
+
+    # The work of each creation step, run in a worker thread.
+
+    def _metadata(self, status: dict[str, Any]) -> None:
         path = self.metadata_file(status["id"])
-        payload = json.dumps({"name": status["name"], "domain": status["domain"]})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"name": status["name"], "domain": status["domain"]}))
 
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(payload)
+    def _fs(self, status: dict[str, Any]) -> None:
+        self.site_dir(status["id"]).mkdir(parents=True, exist_ok=True)
 
-        await trio.to_thread.run_sync(write)
-        await self.store.set_flag(status["id"], "metadata_ready")
-
-    async def _fs(self, status: dict[str, Any]) -> None:
-        if status["fs_ready"]:
-            return
-        await self.backend.call()
-        path = self.site_dir(status["id"])
-        await trio.to_thread.run_sync(lambda: path.mkdir(parents=True, exist_ok=True))
-        await self.store.set_flag(status["id"], "fs_ready")
-
-    async def _db(self, status: dict[str, Any]) -> None:
-        if status["db_ready"]:
-            return
-        await self.backend.call()
+    def _db(self, status: dict[str, Any]) -> None:
         path = self.site_db(status["id"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sqlite3.connect(path).close()
 
-        def create() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            sqlite3.connect(path).close()
-
-        await trio.to_thread.run_sync(create)
-        await self.store.set_flag(status["id"], "db_ready")
-
-    async def _bootstrap(self, status: dict[str, Any]) -> None:
-        if status["bootstrapped"] or not status["db_ready"]:
-            return
-        await self.backend.call()
-        path = self.site_db(status["id"])
-
-        def bootstrap() -> None:
-            connection = sqlite3.connect(path)
-            try:
-                connection.executescript(BOOTSTRAP_SCHEMA)
-            finally:
-                connection.close()
-
-        await trio.to_thread.run_sync(bootstrap)
-        await self.store.set_flag(status["id"], "bootstrapped")
+    def _bootstrap(self, status: dict[str, Any]) -> None:
+        connection = sqlite3.connect(self.site_db(status["id"]))
+        try:
+            connection.executescript(BOOTSTRAP_SCHEMA)
+        finally:
+            connection.close()
 
     async def _delete(self, status: dict[str, Any]) -> None:
         if status["state"] != "deleting":
