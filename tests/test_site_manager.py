@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from examples.site_manager import Settings, serve
-from examples.site_manager.workflow import BOOTSTRAP_TABLES
+from examples.site_manager.workflow import BOOTSTRAP_TABLES, Backend
 
 ROOT = Path(__file__).parent.parent
 FAST = {"latency": 0.002, "retry_initial": 0.005, "retry_maximum": 0.05}
@@ -229,17 +229,53 @@ async def test_not_json_taken_domain_and_unknown_ids(tmp_path: Path) -> None:
             assert (missing.status_code, missing.json()) == (404, {"error": "no site with id 999"})
 
 
-async def test_restart_recovery_finishes_the_work(tmp_path: Path) -> None:
+def stored_states(data: Path) -> dict[int, tuple[str, bool]]:
+    """(state, metadata_ready) of every site, read from the status table itself."""
+    connection = sqlite3.connect(data / "status.sqlite3")
+    try:
+        rows = connection.execute("SELECT id, state, metadata_ready FROM sites").fetchall()
+    finally:
+        connection.close()
+    return {site_id: (state, bool(ready)) for site_id, state, ready in rows}
+
+
+# The first server's backend takes this many calls, then hangs every later one, and the hard
+# stop comes once a call hangs. A site needs four calls (metadata, fs, db, bootstrap) to be
+# running, so at most 10 of the 30 are. Of the 40, at most 31 are metadata steps, 1 is the
+# delete and 3 are the deleted site's other steps, so at least 5 follow a finished metadata step
+# of one of the 30: some of them have begun.
+CALLS_BEFORE_HANG = 40
+
+
+async def test_restart_recovery_finishes_the_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a hard stop mid-workflow, a new server on the same data finishes every site."""
+    calls = 0
+    hanging = trio.Event()
+    call = Backend.call
+
+    async def call_then_hang(backend: Backend) -> None:
+        nonlocal calls
+        if calls == CALLS_BEFORE_HANG:
+            hanging.set()
+            await trio.sleep_forever()
+        calls += 1
+        await call(backend)
+
     slow = settings(tmp_path, latency=0.05)
-    async with running(slow) as server, httpx.AsyncClient(base_url=server.url) as client:
-        ids = [(await create(client, i)).json()["id"] for i in range(30)]
-        doomed = (await create(client, 99)).json()["id"]
-        await client.delete(f"/sites/{doomed}")
-        await trio.sleep(0.15)
-        states = {(await client.get(f"/sites/{i}")).json()["state"] for i in ids}
-        server.scope.cancel()  # a hard stop: nothing is drained
-    assert "creating" in states  # the stop really came mid-workflow
+    with monkeypatch.context() as patch:
+        patch.setattr(Backend, "call", call_then_hang)
+        async with running(slow) as server, httpx.AsyncClient(base_url=server.url) as client:
+            ids = [(await create(client, i)).json()["id"] for i in range(30)]
+            doomed = (await create(client, 99)).json()["id"]
+            await client.delete(f"/sites/{doomed}")
+            with trio.fail_after(40):
+                await hanging.wait()
+            server.scope.cancel()  # a hard stop: nothing is drained
+    stopped = stored_states(tmp_path)
+    assert "creating" in {stopped[i][0] for i in ids}  # the stop really came mid-workflow,
+    assert any(stopped[i][1] for i in ids)  # after some sites had begun
     async with running(slow) as server, httpx.AsyncClient(base_url=server.url) as client:
         await wait_for(client, ids, "running")
         await wait_for(client, [doomed], "deleted")
