@@ -12,6 +12,9 @@ import tickler
 
 from .conftest import Recorder
 
+# Every test runs with the harness's contextvars and with none at the enqueue.
+pytestmark = pytest.mark.usefixtures("enqueue_context")
+
 
 async def test_debug_lines_show_the_dance(caplog: pytest.LogCaptureFixture) -> None:
     """At DEBUG the pattern's lines appear: added, dequeued, processing, replenished, limit."""

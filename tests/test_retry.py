@@ -13,6 +13,9 @@ import tickler
 
 from .conftest import check_identity
 
+# Every test runs with the harness's contextvars and with none at the enqueue.
+pytestmark = pytest.mark.usefixtures("enqueue_context")
+
 
 class Flaky:
     """Fails the first `failures` attempts of each request, recording attempt times."""

@@ -17,6 +17,9 @@ import tickler
 
 from .conftest import Recorder, check_identity
 
+# Every test runs with the harness's contextvars and with none at the enqueue.
+pytestmark = pytest.mark.usefixtures("enqueue_context")
+
 
 async def test_requests_run_and_tickets_report_results(autojump_clock: trio.abc.Clock) -> None:
     """Each request runs once and its ticket returns the handler's result."""

@@ -10,6 +10,9 @@ import tickler
 
 from .conftest import Recorder, check_identity
 
+# Every test runs with the harness's contextvars and with none at the enqueue.
+pytestmark = pytest.mark.usefixtures("enqueue_context")
+
 
 async def sleeper(request: float) -> float:
     await trio.sleep(request)

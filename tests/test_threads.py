@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 
 import tickler
 
 from .conftest import check_identity
+
+# Every test runs with the harness's contextvars and with none at the enqueue.
+pytestmark = pytest.mark.usefixtures("enqueue_context")
 
 THREADS = 8
 PER_THREAD = 2_000

@@ -9,11 +9,13 @@ from typing import Any
 import attrs
 
 
-def _check_number(name: str, value: object) -> None:
+def _check_number(name: str, value: object, *, finite: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number")
     if math.isnan(value):
         raise ValueError(f"{name} must not be NaN")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name} must be finite")
 
 
 def _to_exception_types(value: object) -> tuple[type[Exception], ...]:
@@ -60,7 +62,7 @@ class Retry:
 
     @factor.validator
     def _check_factor(self, _: Any, value: float) -> None:
-        _check_number("factor", value)
+        _check_number("factor", value, finite=False)
         if value < 1:
             raise ValueError("factor must be >= 1")
 
@@ -76,12 +78,18 @@ class Retry:
             raise TypeError("jitter must be a bool")
 
     def backoff(self, attempt: int) -> float:
-        """The wait in seconds after failed attempt number ``attempt`` (1-based), before jitter."""
+        """The wait in seconds after failed attempt number ``attempt`` (1-based), before jitter.
+
+        Always finite: ``initial`` and ``maximum`` are, and a growth past
+        ``maximum`` (or past what a float holds) gives ``maximum``.
+        """
+        if self.initial == 0 or attempt <= 1:
+            return float(min(self.maximum, self.initial))
         try:
             delay = self.initial * self.factor ** (attempt - 1)
         except OverflowError:
-            return self.maximum
-        return min(self.maximum, delay)
+            return float(self.maximum)
+        return float(min(self.maximum, delay))
 
     def delay(self, attempt: int) -> float:
         """The wait in seconds after failed attempt number ``attempt``, jitter applied."""

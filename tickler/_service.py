@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import heapq
+import inspect
 import itertools
 import logging
 import math
@@ -13,7 +14,7 @@ import threading
 import traceback
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import trio
@@ -41,6 +42,15 @@ _copy_context = contextvars.copy_context
 _get_ident = threading.get_ident
 _UNBOUNDED = sys.maxsize
 _EMPTY_CONTEXT = contextvars.Context()
+_MISSING = object()
+
+# Processors check before every start whether their scope is cancelled. Trio's
+# public ways to ask (current_effective_deadline, checkpoint_if_cancelled)
+# cost up to a tenth of a request; the flag they read costs two attribute
+# loads. Refuse to import against a Trio that no longer has it, rather than
+# start requests in a cancelled run.
+if not hasattr(trio.lowlevel.Task, "_cancel_status"):  # pragma: no cover
+    raise ImportError("tickler needs trio.lowlevel.Task._cancel_status; check the trio version")
 # A processor that keeps its slot yields to the scheduler after this many
 # requests in a row, even if every handler returned without yielding.
 _CHAIN_BUDGET = 64
@@ -84,27 +94,55 @@ def default_on_error(ticket: Ticket, exc: Exception) -> None:
         )
 
 
-@types.coroutine
-def _drive(
-    run: Callable[..., Any], send: Callable[[Any], Any], throw: Callable[[BaseException], Any]
-) -> Generator[Any, Any, Any]:
-    """Await a handler's coroutine with every step run inside its request's Context.
+def _is_async(fn: object) -> bool:
+    """Whether calling ``fn`` makes a coroutine: an async function, or an object with one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - the bound __call__ itself is what is asked
+    )
 
-    A processor runs many requests in one task, so Trio's per-task context
-    cannot stand for each enqueuer's: each step runs explicitly in the
-    request's own Context copy.
+
+@types.coroutine
+def _iterate(steps: Any) -> Generator[Any, Any, Any]:
+    """The iterator an awaitable's ``__await__`` returned, as a coroutine with send and throw."""
+    return (yield from steps)
+
+
+def _steps_of(awaitable: object) -> Any:
+    """Call ``__await__`` once and return its steps; refuse what is not awaitable."""
+    await_ = getattr(type(awaitable), "__await__", None)
+    if await_ is None:
+        raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
+    return _iterate(await_(awaitable))
+
+
+def _holds(
+    context: contextvars.Context, items: tuple[tuple[contextvars.ContextVar[Any], Any], ...]
+) -> bool:
+    """Whether the running ``context`` holds exactly ``items``: same variables, same objects.
+
+    Called in ``context``; identity only, never ``==``.
     """
-    try:
-        trap = run(send, None)
-        while True:
-            try:
-                value = yield trap
-            except BaseException as exc:  # forwarded into the handler, not swallowed
-                trap = run(throw, exc)
-            else:
-                trap = run(send, value)
-    except StopIteration as done:
-        return done.value
+    if len(context) != len(items):
+        return False
+    for var, value in items:  # noqa: SIM110 - all() would build a generator per attempt
+        if var.get(_MISSING) is not value:
+            return False
+    return True
+
+
+def _reset(tokens: list[tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]]) -> None:
+    """Undo the variables an attempt set, with the tokens their setting returned."""
+    for var, token in tokens:
+        var.reset(token)
+
+
+def _run_in(context: contextvars.Context, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call ``fn`` in a copy of a request's context: hooks and log lines for a request.
+
+    A copy, because the request's context is the one running right now, and a
+    Context cannot be entered twice; and the hook's own writes stay its own.
+    """
+    return context.copy().run(fn, *args)
 
 
 class Service:
@@ -143,6 +181,8 @@ class Service:
         "_heap_seq",
         "_idle",
         "_in_flight",
+        "_insiders",
+        "_last_context",
         "_last_id",
         "_limiter",
         "_lock",
@@ -152,6 +192,7 @@ class Service:
         "_on_error",
         "_peak",
         "_queue",
+        "_quiet",
         "_rejected",
         "_retried",
         "_retry",
@@ -160,6 +201,7 @@ class Service:
         "_signal_tx",
         "_started",
         "_stop_called",
+        "_stop_deadline",
         "_stopped_tickets",
         "_succeeded",
         "_thread",
@@ -196,6 +238,8 @@ class Service:
             raise TypeError("retry must be a tickler.Retry or None")
         if on_error is not None and not callable(on_error):
             raise TypeError("on_error must be callable or None")
+        if on_error is not None and _is_async(on_error):
+            raise TypeError("on_error must be a plain function, not an async function")
         if not isinstance(name, str):
             raise TypeError("name must be a str")
 
@@ -240,8 +284,17 @@ class Service:
         self.stopping = trio.Event()
         self._finished = trio.Event()
         self._stop_called = False
+        self._stop_deadline = math.inf
         self._stopped_tickets: list[Ticket] = []
         self._may_start = True
+        # Processors whose handlers wait in stop(): a stop called from inside
+        # the service waits for everything but them (see stop).
+        self._insiders: set[trio.lowlevel.Task] = set()
+        self._quiet = trio.Event()
+        # The last context a request was enqueued with, and its items once a
+        # second enqueue needed them: requests enqueued from one unchanged
+        # context share one Context object instead of a copy each.
+        self._last_context: tuple[contextvars.Context, tuple[Any, ...] | None] | None = None
 
         # Set when run starts: the Trio clock's bound current_time, and the
         # token that also tells whether the service has ever run.
@@ -264,12 +317,21 @@ class Service:
         Raising it starts waiting requests at once. Lowering it cancels
         nothing: new starts wait until fewer than the new cap are in flight.
         Set it from the Trio thread.
+
+        Raises:
+            RuntimeError: set from a thread other than the one running the
+                service; the cap is unchanged.
         """
         return self._capacity
 
     @capacity.setter
     def capacity(self, value: int) -> None:
-        self._limiter.total_tokens = self._capacity = _check_capacity(value)
+        value = _check_capacity(value)
+        if self._thread is not None and self._thread != _get_ident():
+            raise RuntimeError(
+                f"capacity of service {self.name!r} must be set from the thread running it"
+            )
+        self._limiter.total_tokens = self._capacity = value
         self._tickle()
 
     @property
@@ -293,6 +355,24 @@ class Service:
             # One shared empty Context serves every request enqueued without
             # contextvars: no per-request Context to keep or to collect.
             context = _EMPTY_CONTEXT
+        else:
+            last = self._last_context
+            if last is not None and len(last[0]) == len(context):
+                # The same variables holding the very same objects: share the
+                # earlier Context. Values are compared by identity only, never
+                # with ==, which may run user code and calls equal values alike.
+                items = last[1]
+                if items is None:
+                    items = tuple(last[0].items())
+                    self._last_context = (last[0], items)
+                for var, value in items:
+                    if var.get(_MISSING) is not value:
+                        self._last_context = (context, None)
+                        break
+                else:
+                    context = last[0]
+            else:
+                self._last_context = (context, None)
         clock_now = self._now
         now = clock_now() if clock_now is not None else None
         lock = self._lock
@@ -310,7 +390,7 @@ class Service:
             if now is None and self._now is not None:
                 now = self._now()  # the run started meanwhile
             self._last_id = ticket_id = self._last_id + 1
-            ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, context)
+            ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, self, context)
             queue.append(ticket)
             if not self._wakeup_pending:
                 # (When a wake-up is pending, the loop has yet to take the
@@ -416,31 +496,55 @@ class Service:
                 task_status.started()
                 await self._supervise()
         finally:
-            self._wind_down()
+            self._wind_down(self._now())
 
     async def _supervise(self) -> None:
-        """The loop: dispatch, then sleep until tickled or until the next retry is due."""
+        """The loop: dispatch, then sleep until tickled, a retry is due or the stop's deadline."""
         assert self._signal_rx is not None
         assert self._now is not None
         receive = self._signal_rx.receive
         clock_now = self._now
         heap = self._heap
-        while True:
-            self._dispatch()
-            if self._stop_called and self._in_flight == 0 and not self._queue and not heap:
-                self._release_idle()
-                return
-            # A retry already due is waiting for a slot, and a completion will
-            # tickle: only a retry due later needs the timer.
-            if heap and self._may_start and heap[0][0] > clock_now():
-                with trio.move_on_at(heap[0][0]):
+        try:
+            while True:
+                self._dispatch()
+                if self._stop_called:
+                    if self._in_flight == 0 and not self._queue and not heap:
+                        self._release_idle()
+                        return
+                    if clock_now() >= self._stop_deadline:
+                        self._expire()
+                    elif self._insiders:
+                        self._check_quiet()
+                if not self._queue:
+                    # Nothing waits: keep no enqueuer's context alive for sharing.
+                    self._last_context = None
+                # A retry already due is waiting for a slot, and a completion
+                # will tickle: only a retry due later needs the timer.
+                wake_at = self._stop_deadline
+                if heap and self._may_start and heap[0][0] > clock_now():
+                    wake_at = min(wake_at, heap[0][0])
+                if wake_at < math.inf:
+                    with trio.move_on_at(wake_at):
+                        await receive()
+                        self._wakeup_pending = False
+                else:
                     await receive()
                     self._wakeup_pending = False
-            else:
-                await receive()
-                self._wakeup_pending = False
-            self._wakeups += 1
-            self._debug = logger.isEnabledFor(logging.DEBUG)
+                self._wakeups += 1
+                self._debug = logger.isEnabledFor(logging.DEBUG)
+        except BaseException:
+            # Cancelled with the run, or the run is ending: from this instant
+            # no processor starts another request.
+            self._may_start = False
+            raise
+
+    def _expire(self) -> None:
+        """The stop's deadline has passed: cancel everything that is left."""
+        self._may_start = False
+        self._cancel_waiting(self._time())
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
 
     def _dispatch(self) -> None:
         """Start a processor into every free slot, due retries first."""
@@ -463,8 +567,7 @@ class Service:
                 parked.handed = (ticket, slot)
                 trio.lowlevel.reschedule(parked.task)
             else:
-                # Processors start in an empty context, so that requests
-                # enqueued without contextvars can run without switching.
+                # Processors start in an empty context of their own.
                 _EMPTY_CONTEXT.copy().run(nursery.start_soon, self._process, ticket, slot)
             if self._debug:
                 logger.debug("replenished: now %d/%d slots in use", self._in_flight, self._capacity)
@@ -512,6 +615,16 @@ class Service:
         Keeping the slot saves a task spawn per request. With nothing left to
         take, the processor gives its slot back and parks until the supervisor,
         which owns every start into a free slot, hands it the next one.
+
+        The context of an attempt: Trio runs every step of a task inside
+        ``task.context``, and between attempts a processor's context is empty.
+        An attempt sets its enqueuer's variables there (the very objects), the
+        handler runs in it like any code of the task, and afterwards the
+        processor resets what it set with the tokens it got, which also undoes
+        the handler's writes to those variables. A handler that set a variable
+        of its own leaves the context non-empty: the processor then takes a
+        fresh empty context and yields once, so the next attempt starts clean.
+        Every request, with or without contextvars, takes this one path.
         """
         clock_now = self._now
         assert clock_now is not None
@@ -520,42 +633,50 @@ class Service:
         heap = self._heap
         queue = self._queue
         lock = self._lock
+        task = trio.lowlevel.current_task()
+        # The enqueuer's context whose variables this task's context holds
+        # now, with the variables and values set and the tokens to undo them.
+        held: contextvars.Context | None = None
+        held_items: tuple[tuple[contextvars.ContextVar[Any], Any], ...] = ()
+        held_tokens: list[tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]] = []
         now = clock_now()
         chained = 0
         while True:  # one slot after another
             try:
                 while True:
+                    if not self._may_start or task._cancel_status.effectively_cancelled:
+                        # A stop without drain, a crash or a cancellation came
+                        # between taking this request and starting it.
+                        self._may_start = False
+                        self._in_flight -= 1
+                        self._cancel(ticket, clock_now())
+                        break
                     state = ticket._state
                     captured = state if type(state) is _Context else state.context
                     ticket.status = _RUNNING
                     ticket.attempts += 1
                     ticket.started_at = now
                     self._started += 1
+                    context = task.context  # the context this step runs in
+                    if captured is not held:
+                        if held is not None:
+                            _reset(held_tokens)
+                            held = None
+                        if captured:
+                            held_items = tuple(captured.items())
+                            held_tokens = [(var, var.set(value)) for var, value in held_items]
+                            held = captured
                     if self._debug:
-                        logger.debug(
-                            "processing request #%d (attempt %d)", ticket.id, ticket.attempts
-                        )
+                        _run_in(context, self._log_start, ticket)
                     try:
-                        if not captured and not _copy_context():
-                            # Both the request's context and this task's are
-                            # empty, so running the handler right here is exactly
-                            # running it in a fresh copy of the request's context.
-                            awaitable = handler(ticket.request)
-                            if type(awaitable) is not _Coroutine:
-                                _steps_of(awaitable)  # refuses what is not awaitable
-                            attempt = awaitable
-                        else:
-                            context = captured.copy()
-                            awaitable = context.run(handler, ticket.request)
-                            steps = (
-                                awaitable if type(awaitable) is _Coroutine else _steps_of(awaitable)
-                            )
-                            attempt = _drive(context.run, steps.send, steps.throw)
+                        awaitable = handler(ticket.request)
+                        if type(awaitable) is not _Coroutine:
+                            awaitable = _steps_of(awaitable)
                         if timeout is None:
-                            result = await attempt
+                            result = await awaitable
                         else:
                             with trio.move_on_at(now + timeout) as scope:
-                                result = await attempt
+                                result = await awaitable
                             if scope.cancelled_caught:
                                 # Raised here so that a timeout is one more failure.
                                 raise TimeoutError(  # noqa: TRY301
@@ -563,7 +684,7 @@ class Service:
                                 )
                     except Exception as exc:
                         now = clock_now()
-                        self._attempt_failed(ticket, exc, now)
+                        self._attempt_failed(ticket, exc, now, context)
                     except BaseException as exc:
                         # Cancelled, KeyboardInterrupt and the like: record the
                         # request's final state and let the exception go on.
@@ -577,13 +698,24 @@ class Service:
                         ticket._state = (now, result)
                         ticket.status = _SUCCEEDED
                         if type(state) is Waiting:
-                            state.event.set()
-                        del result
+                            self._wake(state)
+                        result = None
                     # The request is final: keep nothing of it while choosing the next.
-                    del state, captured, awaitable, ticket
+                    state = captured = awaitable = ticket = None  # type: ignore[assignment]
                     chained += 1
-                    if chained == _CHAIN_BUDGET:
-                        # Handlers that never yield must not starve other tasks.
+                    if held is not None and not _holds(context, held_items):
+                        # The handler changed its enqueuer's variables.
+                        _reset(held_tokens)
+                        held = held_items = held_tokens = None  # type: ignore[assignment]
+                    if context and held is None:
+                        # The handler set variables of its own: they must not
+                        # reach the next attempt, which starts in a fresh
+                        # context once this step has ended.
+                        task.context = _EMPTY_CONTEXT.copy()
+                        chained = _CHAIN_BUDGET
+                    context = None  # type: ignore[assignment]
+                    if chained >= _CHAIN_BUDGET:
+                        # Also, handlers that never yield must not starve other tasks.
                         chained = 0
                         await trio.lowlevel.cancel_shielded_checkpoint()
                         now = clock_now()
@@ -610,6 +742,10 @@ class Service:
                     else:
                         break
             finally:
+                if held is not None:
+                    # A parked processor keeps no request's context alive.
+                    _reset(held_tokens)
+                    held = held_items = held_tokens = None  # type: ignore[assignment]
                 # A completion that frees a slot tickles the loop.
                 self._limiter.release_on_behalf_of(slot)
                 self._tickle()
@@ -623,6 +759,9 @@ class Service:
             ticket, slot = handed
             now = clock_now()
             chained = 0
+
+    def _log_start(self, ticket: Ticket) -> None:
+        logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
 
     async def _park(self) -> tuple[Ticket, _Slot] | None:
         """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
@@ -648,21 +787,35 @@ class Service:
         while idle:
             trio.lowlevel.reschedule(idle.pop().task)
 
+    def _wake(self, waiting: Waiting | None) -> None:
+        """Wake the waiters of a ticket that just became final."""
+        while waiting is not None:
+            if waiting.token is self._token:
+                waiting.event.set()
+            else:
+                # Waiters in another Trio run: wake them there, where wait()
+                # raises its error. Setting their event from here would break
+                # this run.
+                with suppress(trio.RunFinishedError):
+                    waiting.token.run_sync_soon(waiting.event.set)
+            waiting = waiting.following
+
     def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
         state = ticket._state
         ticket._state = (now, payload)
         ticket.status = status
         if type(state) is Waiting:
-            state.event.set()
+            self._wake(state)
 
-    def _attempt_failed(self, ticket: Ticket, exc: Exception, now: float) -> None:
+    def _attempt_failed(
+        self, ticket: Ticket, exc: Exception, now: float, context: contextvars.Context
+    ) -> None:
         self._in_flight -= 1
         # Drop the processor's own frame from the traceback: it refers to the
         # ticket, and the ticket will refer to the exception.
         tb = exc.__traceback__
         if tb is not None and tb.tb_frame is sys._getframe(1):
-            exc.__traceback__ = tb.tb_next
-        del tb
+            exc.__traceback__ = tb = tb.tb_next
         retry = self._retry
         attempt = ticket.attempts
         if retry is not None and retry.should_retry(attempt, exc):
@@ -678,7 +831,9 @@ class Service:
             if heap[0][2] is ticket:
                 self._tickle()  # the loop must now wake earlier
             if logger.isEnabledFor(logging.WARNING):
-                logger.warning(
+                _run_in(
+                    context,
+                    logger.warning,
                     "request #%d attempt %d failed, retrying in %.3f seconds\n%s",
                     ticket.id,
                     attempt,
@@ -686,13 +841,23 @@ class Service:
                     _format_exception(exc),
                 )
             return
-        self._finish(ticket, _FAILED, exc, now)
-        self._failed += 1
+        self._fail(ticket, exc, tb, now)
+        del tb
         try:
-            self._on_error(ticket, exc)
+            outcome = _run_in(context, self._on_error, ticket, exc)
+            if inspect.isawaitable(outcome):
+                # A plain function that returned an awaitable: it will never
+                # be awaited, so say so rather than drop it silently.
+                if isinstance(outcome, _Coroutine):
+                    outcome.close()
+                raise TypeError(  # noqa: TRY301
+                    "on_error returned an awaitable; it must be a plain function"
+                )
         except Exception as hook_exc:
             if logger.isEnabledFor(logging.ERROR):
-                logger.error(  # noqa: TRY400 - the traceback goes in as text, see above
+                _run_in(
+                    context,
+                    logger.error,
                     "on_error hook raised for request #%d\n%s",
                     ticket.id,
                     _format_exception(hook_exc),
@@ -704,8 +869,21 @@ class Service:
         if isinstance(exc, trio.Cancelled):
             self._cancel(ticket, now)
         else:
-            self._finish(ticket, _FAILED, exc, now)
-            self._failed += 1
+            # A KeyboardInterrupt or the like ends the run: start nothing more.
+            self._may_start = False
+            self._fail(ticket, exc, exc.__traceback__, now)
+
+    def _fail(
+        self, ticket: Ticket, exc: BaseException, tb: types.TracebackType | None, now: float | None
+    ) -> None:
+        state = ticket._state
+        # A failed ticket keeps the original traceback beside the exception:
+        # result() raises it with that traceback every time.
+        ticket._state = (now, exc, tb)
+        ticket.status = _FAILED
+        self._failed += 1
+        if type(state) is Waiting:
+            self._wake(state)
 
     def _time(self) -> float | None:
         """The Trio clock's time, or None before the service has run."""
@@ -718,13 +896,13 @@ class Service:
 
     # -- stopping -------------------------------------------------------
 
-    def _cancel_waiting(self) -> None:
+    def _cancel_waiting(self, now: float | None) -> None:
         """Cancel every request that is queued or waiting for a retry."""
-        now = self._time()
         with self._lock:
             waiting = list(self._queue)
             self._peak = max(self._peak, len(waiting))
             self._queue.clear()
+            self._last_context = None
         for ticket in waiting:
             self._cancel(ticket, now)
         heap = self._heap
@@ -739,15 +917,34 @@ class Service:
             self._closed = True
             self._admit = 0
 
-    def _wind_down(self) -> None:
+    def _wind_down(self, now: float) -> None:
         self._close()
         self._may_start = False
         self.stopping.set()
-        self._cancel_waiting()
+        self._cancel_waiting(now)
         if self._signal_tx is not None:
             self._signal_tx.close()
         self._stopped_tickets.sort(key=_by_id)
+        self._quiet.set()
         self._finished.set()
+
+    def _check_quiet(self) -> None:
+        """Wake stops called from handlers once only their own requests still run."""
+        if not self._queue and not self._heap and self._in_flight <= len(self._insiders):
+            self._quiet.set()
+
+    def _insider(self) -> trio.lowlevel.Task | None:
+        """The processor whose handler (or a task it spawned) is the current task, if any."""
+        nursery = self._nursery
+        task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
+        while task is not None:
+            parent = task.parent_nursery
+            if parent is None:
+                return None
+            if parent is nursery:
+                return task
+            task = parent.parent_task
+        return None
 
     async def stop(self, *, drain: bool = True, timeout: float | None = None) -> list[Ticket]:
         """Stop the service and return the tickets that did not complete.
@@ -759,37 +956,56 @@ class Service:
         it then waits for what runs, up to ``timeout`` seconds (``None``: no
         limit; ``0``: not at all), and cancels what still runs.
 
-        Idempotent: concurrent and later calls wait for the same stop and
+        The first call decides ``drain`` and ``timeout``, and the deadline
+        belongs to the stop, not to that call: cancelling the caller does not
+        cancel the stop. Concurrent and later calls wait for the same stop and
         return the same tickets.
+
+        Called from inside one of the service's own handlers (or a task a
+        handler spawned), it waits for everything except the requests whose
+        handlers are in ``stop()``, and returns the tickets cancelled so far.
 
         Returns:
             Every ticket that did not complete, marked CANCELLED, by id.
+
+        Raises:
+            RuntimeError: called from a different Trio run than the service's.
         """
         if not isinstance(drain, bool):
             raise TypeError("drain must be a bool")
         limit = _check_timeout("timeout", timeout, allow_zero=True)
-        if self._closed:
+        token = self._token
+        if token is not None and token is not trio.lowlevel.current_trio_token():
+            raise RuntimeError(
+                f"service {self.name!r} must be stopped from the Trio run running it"
+            )
+        if not self._closed:
+            self._stop_called = True
+            self._close()
+            self.stopping.set()
+            if token is None:
+                self._wind_down(trio.current_time())
+            else:
+                assert self._now is not None
+                if limit is not None:
+                    self._stop_deadline = self._now() + limit
+                if not drain:
+                    self._may_start = False
+                    self._cancel_waiting(self._now())
+                self._tickle()
+        insider = self._insider() if token is not None else None
+        if insider is None:
             await self._finished.wait()
-            return list(self._stopped_tickets)
-        self._stop_called = True
-        self._close()
-        self.stopping.set()
-        if self._token is None:
-            self._wind_down()
-            await trio.lowlevel.checkpoint()
-            return list(self._stopped_tickets)
-        if not drain:
-            self._may_start = False
-            self._cancel_waiting()
-        self._tickle()
-        with trio.move_on_after(math.inf if limit is None else limit):
-            await self._finished.wait()
-        if not self._finished.is_set():
-            self._may_start = False
-            assert self._nursery is not None
-            self._nursery.cancel_scope.cancel()
-            await self._finished.wait()
-        return list(self._stopped_tickets)
+        else:
+            self._insiders.add(insider)
+            try:
+                if self._quiet.is_set() and not self._finished.is_set():
+                    self._quiet = trio.Event()
+                self._tickle()
+                await self._quiet.wait()
+            finally:
+                self._insiders.discard(insider)
+        return sorted(self._stopped_tickets, key=_by_id)
 
 
 class _Slot:
@@ -821,13 +1037,6 @@ class _Parked:
 
 def _by_id(ticket: Ticket) -> int:
     return ticket.id
-
-
-def _steps_of(awaitable: object) -> Any:
-    await_ = getattr(type(awaitable), "__await__", None)
-    if await_ is None:
-        raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
-    return await_(awaitable)
 
 
 @asynccontextmanager

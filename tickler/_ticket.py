@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextvars
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from ._exceptions import RequestCancelled
+
+if TYPE_CHECKING:
+    from ._service import Service
 
 
 class Status(enum.Enum):
@@ -28,17 +31,36 @@ FINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED})
 
 @attrs.define(eq=False, slots=True)
 class Waiting:
-    """What an unfinished ticket holds once somebody awaits it."""
+    """What an unfinished ticket holds once somebody awaits it.
+
+    ``token`` is the Trio run the waiters wait in: the service sets ``event``
+    directly when that is its own run, and from outside through the token
+    otherwise, so that a waiter in the wrong run gets an error, not a crash of
+    the service.
+    """
 
     context: contextvars.Context
+    token: trio.lowlevel.TrioToken
+    following: Waiting | None = None
+    """Waiters of the same ticket in other runs, woken there."""
     event: trio.Event = attrs.Factory(trio.Event)
+
+
+def _wrong_run(ticket_id: int) -> RuntimeError:
+    return RuntimeError(
+        f"Ticket.wait() for request #{ticket_id} called from a different trio.run than the one"
+        " running its service; wait in the service's run (for example through"
+        " trio.from_thread.run), or call result() once the ticket is done"
+    )
 
 
 # A queued ticket is the main per-request cost of a queue of 100,000, so it
 # carries exactly one private slot. Until the request is final it holds the
 # enqueuer's Context (or a Waiting wrapping it); afterwards a
 # (finished_at, result or exception) pair. Keeping `finished_at` there rather
-# than in a slot of its own keeps a queued request under 160 bytes.
+# than in a slot of its own keeps a queued request within 160 bytes. A failed
+# request keeps its exception's original traceback beside it, so that raising
+# the exception again never grows the traceback.
 @attrs.define(eq=False, slots=True, weakref_slot=False)
 class Ticket:
     """The receipt for one request handed to a :class:`tickler.Service`.
@@ -61,6 +83,7 @@ class Ticket:
     started: when the run started)."""
     started_at: float | None
     """When the latest attempt started, or None if none has."""
+    _service: Service = attrs.field(repr=False, alias="_service")
     _state: Any = attrs.field(repr=False, alias="_state")
 
     @property
@@ -78,21 +101,41 @@ class Ticket:
     async def wait(self) -> Any:
         """Wait until the request is final and return the handler's result.
 
-        Always a checkpoint.
+        Always a checkpoint. Call it from the Trio run that runs the service.
 
         Raises:
             RequestCancelled: if the request ended CANCELLED.
             Exception: the handler's final exception if the request FAILED.
+            RuntimeError: if called from a different ``trio.run`` than the
+                service's; the service is not affected.
         """
+        token = trio.lowlevel.current_trio_token()
+        service_token = self._service._token
+        if service_token is not None and service_token is not token:
+            raise _wrong_run(self.id)
         if self.status in FINAL:
             await trio.lowlevel.checkpoint()
         else:
             state = self._state
-            if type(state) is not Waiting:
-                state = Waiting(state)
-                self._state = state
+            if type(state) is Waiting:
+                waiting: Waiting | None = state
+                while waiting is not None and waiting.token is not token:
+                    waiting = waiting.following
+                if waiting is None:
+                    waiting = Waiting(state.context, token, state)
+                    self._state = waiting
+            else:
+                waiting = Waiting(state, token)
+                self._state = waiting
+            state = waiting
             await state.event.wait()
-        return self.result()
+            if state.token is not self._service._token:
+                # The service ran in another run than the one waiting here.
+                raise _wrong_run(self.id)
+        try:
+            return self.result()
+        finally:
+            del self  # as in result(): no cycle through a failure's traceback
 
     def result(self) -> Any:
         """Return the result of a final ticket, like :meth:`wait` without waiting.
@@ -104,7 +147,15 @@ class Ticket:
         if status is Status.SUCCEEDED:
             return self._state[1]
         if status is Status.FAILED:
-            raise self._state[1]
+            _, error, traceback = self._state
+            try:
+                # Raised with its original traceback every time: raising the
+                # same exception again would otherwise add frames to it.
+                raise error.with_traceback(traceback)
+            finally:
+                # This frame is in the traceback of the exception it raises;
+                # keeping the ticket here would be a cycle through the ticket.
+                del self, error, traceback
         if status is Status.CANCELLED:
             raise RequestCancelled(f"request #{self.id} was cancelled")
         raise RuntimeError(f"request #{self.id} is {status.value}, not final")
