@@ -115,25 +115,27 @@ def _steps_of(awaitable: object) -> Any:
     return _iterate(await_(awaitable))
 
 
-def _holds(
-    context: contextvars.Context, items: tuple[tuple[contextvars.ContextVar[Any], Any], ...]
-) -> bool:
-    """Whether the running ``context`` holds exactly ``items``: same variables, same objects.
+def _holds(context: contextvars.Context, captured: contextvars.Context) -> bool:
+    """Whether the running ``context`` holds exactly ``captured``'s variables and objects.
 
-    Called in ``context``; identity only, never ``==``.
+    Called in ``context``; compares by identity only, never with ``==``.
     """
-    if len(context) != len(items):
+    if len(context) != len(captured):
         return False
-    for var, value in items:  # noqa: SIM110 - all() would build a generator per attempt
+    for var, value in captured.items():  # noqa: SIM110 - all() would build a generator
         if var.get(_MISSING) is not value:
             return False
     return True
 
 
-def _reset(tokens: list[tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]]) -> None:
-    """Undo the variables an attempt set, with the tokens their setting returned."""
-    for var, token in tokens:
-        var.reset(token)
+def _reset(tokens: list[contextvars.Token[Any]]) -> None:
+    """Undo the variables an attempt set, with the tokens their setting returned.
+
+    A function of its own so that no token (which refers to the context it
+    was made in) stays behind in the processor's frame.
+    """
+    for token in tokens:
+        token.var.reset(token)
 
 
 def _run_in(context: contextvars.Context, fn: Callable[..., Any], *args: Any) -> Any:
@@ -291,10 +293,9 @@ class Service:
         # the service waits for everything but them (see stop).
         self._insiders: set[trio.lowlevel.Task] = set()
         self._quiet = trio.Event()
-        # The last context a request was enqueued with, and its items once a
-        # second enqueue needed them: requests enqueued from one unchanged
-        # context share one Context object instead of a copy each.
-        self._last_context: tuple[contextvars.Context, tuple[Any, ...] | None] | None = None
+        # The last context a request was enqueued with: requests enqueued from
+        # one unchanged context share one Context object instead of a copy each.
+        self._last_context: contextvars.Context | None = None
 
         # Set when run starts: the Trio clock's bound current_time, and the
         # token that also tells whether the service has ever run.
@@ -357,22 +358,18 @@ class Service:
             context = _EMPTY_CONTEXT
         else:
             last = self._last_context
-            if last is not None and len(last[0]) == len(context):
+            if last is not None and len(last) == len(context):
                 # The same variables holding the very same objects: share the
                 # earlier Context. Values are compared by identity only, never
                 # with ==, which may run user code and calls equal values alike.
-                items = last[1]
-                if items is None:
-                    items = tuple(last[0].items())
-                    self._last_context = (last[0], items)
-                for var, value in items:
-                    if var.get(_MISSING) is not value:
-                        self._last_context = (context, None)
+                for var, value in context.items():
+                    if last.get(var, _MISSING) is not value:
+                        self._last_context = context
                         break
                 else:
-                    context = last[0]
+                    context = last
             else:
-                self._last_context = (context, None)
+                self._last_context = context
         clock_now = self._now
         now = clock_now() if clock_now is not None else None
         lock = self._lock
@@ -390,7 +387,7 @@ class Service:
             if now is None and self._now is not None:
                 now = self._now()  # the run started meanwhile
             self._last_id = ticket_id = self._last_id + 1
-            ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, self, context)
+            ticket = Ticket(request, ticket_id, _QUEUED, 0, now, None, context)
             queue.append(ticket)
             if not self._wakeup_pending:
                 # (When a wake-up is pending, the loop has yet to take the
@@ -617,14 +614,16 @@ class Service:
         which owns every start into a free slot, hands it the next one.
 
         The context of an attempt: Trio runs every step of a task inside
-        ``task.context``, and between attempts a processor's context is empty.
-        An attempt sets its enqueuer's variables there (the very objects), the
-        handler runs in it like any code of the task, and afterwards the
-        processor resets what it set with the tokens it got, which also undoes
-        the handler's writes to those variables. A handler that set a variable
-        of its own leaves the context non-empty: the processor then takes a
-        fresh empty context and yields once, so the next attempt starts clean.
-        Every request, with or without contextvars, takes this one path.
+        ``task.context``, read afresh at each step. An attempt sets its
+        enqueuer's variables there (the very objects) and the handler runs in
+        it like any code of the task. The next attempt for the same enqueuer's
+        context reuses them if they still hold the very same objects and
+        nothing else; otherwise the processor resets them with the tokens it
+        got, which also undoes the handler's writes to them. A handler that set
+        a variable of its own leaves the context non-empty after that: the
+        processor then takes a fresh empty context and yields once, so the next
+        attempt starts clean. Every request, with or without contextvars,
+        takes this one path.
         """
         clock_now = self._now
         assert clock_now is not None
@@ -637,13 +636,32 @@ class Service:
         # The enqueuer's context whose variables this task's context holds
         # now, with the variables and values set and the tokens to undo them.
         held: contextvars.Context | None = None
-        held_items: tuple[tuple[contextvars.ContextVar[Any], Any], ...] = ()
-        held_tokens: list[tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]] = []
+        held_tokens: list[contextvars.Token[Any]] = []
         now = clock_now()
         chained = 0
         while True:  # one slot after another
             try:
                 while True:
+                    state = ticket._state
+                    captured = state if type(state) is _Context else state.context
+                    context = task.context  # the context this step runs in
+                    if held is not None and (captured is not held or not _holds(context, captured)):
+                        # Another enqueuer's request, or the last handler
+                        # changed its enqueuer's variables: undo them.
+                        _reset(held_tokens)
+                        held = held_tokens = None  # type: ignore[assignment]
+                    if held is None:
+                        if context:
+                            # The last handler set variables of its own. They
+                            # must not reach this attempt, which starts in a
+                            # fresh context once this step has ended.
+                            task.context = _EMPTY_CONTEXT.copy()
+                            await trio.lowlevel.cancel_shielded_checkpoint()
+                            context = task.context
+                            now = clock_now()
+                        if captured:
+                            held_tokens = [var.set(value) for var, value in captured.items()]
+                            held = captured
                     if not self._may_start or task._cancel_status.effectively_cancelled:
                         # A stop without drain, a crash or a cancellation came
                         # between taking this request and starting it.
@@ -651,21 +669,10 @@ class Service:
                         self._in_flight -= 1
                         self._cancel(ticket, clock_now())
                         break
-                    state = ticket._state
-                    captured = state if type(state) is _Context else state.context
                     ticket.status = _RUNNING
                     ticket.attempts += 1
                     ticket.started_at = now
                     self._started += 1
-                    context = task.context  # the context this step runs in
-                    if captured is not held:
-                        if held is not None:
-                            _reset(held_tokens)
-                            held = None
-                        if captured:
-                            held_items = tuple(captured.items())
-                            held_tokens = [(var, var.set(value)) for var, value in held_items]
-                            held = captured
                     if self._debug:
                         _run_in(context, self._log_start, ticket)
                     try:
@@ -700,22 +707,13 @@ class Service:
                         if type(state) is Waiting:
                             self._wake(state)
                         result = None
-                    # The request is final: keep nothing of it while choosing the next.
-                    state = captured = awaitable = ticket = None  # type: ignore[assignment]
+                    # The request is final: keep nothing of it while choosing the
+                    # next. (What it left in this task's context is looked at
+                    # when the next attempt starts, or before parking.)
+                    state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
                     chained += 1
-                    if held is not None and not _holds(context, held_items):
-                        # The handler changed its enqueuer's variables.
-                        _reset(held_tokens)
-                        held = held_items = held_tokens = None  # type: ignore[assignment]
-                    if context and held is None:
-                        # The handler set variables of its own: they must not
-                        # reach the next attempt, which starts in a fresh
-                        # context once this step has ended.
-                        task.context = _EMPTY_CONTEXT.copy()
-                        chained = _CHAIN_BUDGET
-                    context = None  # type: ignore[assignment]
-                    if chained >= _CHAIN_BUDGET:
-                        # Also, handlers that never yield must not starve other tasks.
+                    if chained == _CHAIN_BUDGET:
+                        # Handlers that never yield must not starve other tasks.
                         chained = 0
                         await trio.lowlevel.cancel_shielded_checkpoint()
                         now = clock_now()
@@ -742,10 +740,12 @@ class Service:
                     else:
                         break
             finally:
+                # A parked processor keeps no request's context alive.
                 if held is not None:
-                    # A parked processor keeps no request's context alive.
                     _reset(held_tokens)
-                    held = held_items = held_tokens = None  # type: ignore[assignment]
+                    held = held_tokens = None  # type: ignore[assignment]
+                if task.context:
+                    task.context = _EMPTY_CONTEXT.copy()
                 # A completion that frees a slot tickles the loop.
                 self._limiter.release_on_behalf_of(slot)
                 self._tickle()
@@ -796,6 +796,7 @@ class Service:
                 # Waiters in another Trio run: wake them there, where wait()
                 # raises its error. Setting their event from here would break
                 # this run.
+                waiting.foreign = True
                 with suppress(trio.RunFinishedError):
                     waiting.token.run_sync_soon(waiting.event.set)
             waiting = waiting.following
@@ -1005,6 +1006,8 @@ class Service:
                 await self._quiet.wait()
             finally:
                 self._insiders.discard(insider)
+        if self._finished.is_set():
+            return list(self._stopped_tickets)  # sorted once, when the run ended
         return sorted(self._stopped_tickets, key=_by_id)
 
 

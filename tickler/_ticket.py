@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import contextvars
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
 from ._exceptions import RequestCancelled
-
-if TYPE_CHECKING:
-    from ._service import Service
 
 
 class Status(enum.Enum):
@@ -33,17 +30,18 @@ FINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED})
 class Waiting:
     """What an unfinished ticket holds once somebody awaits it.
 
-    ``token`` is the Trio run the waiters wait in: the service sets ``event``
-    directly when that is its own run, and from outside through the token
-    otherwise, so that a waiter in the wrong run gets an error, not a crash of
-    the service.
+    ``token`` is the Trio run the waiters wait in. The service sets ``event``
+    directly when that is its own run. Otherwise it marks the waiting
+    ``foreign`` and sets the event from inside the waiters' run, so that they
+    get an error rather than the service a crash.
     """
 
     context: contextvars.Context
     token: trio.lowlevel.TrioToken
     following: Waiting | None = None
-    """Waiters of the same ticket in other runs, woken there."""
+    """Waiters of the same ticket in other runs."""
     event: trio.Event = attrs.Factory(trio.Event)
+    foreign: bool = False
 
 
 def _wrong_run(ticket_id: int) -> RuntimeError:
@@ -83,7 +81,6 @@ class Ticket:
     started: when the run started)."""
     started_at: float | None
     """When the latest attempt started, or None if none has."""
-    _service: Service = attrs.field(repr=False, alias="_service")
     _state: Any = attrs.field(repr=False, alias="_state")
 
     @property
@@ -101,18 +98,17 @@ class Ticket:
     async def wait(self) -> Any:
         """Wait until the request is final and return the handler's result.
 
-        Always a checkpoint. Call it from the Trio run that runs the service.
+        Always a checkpoint. Call it from the Trio run that runs the service
+        (a ticket that is already final can be awaited from any run).
 
         Raises:
             RequestCancelled: if the request ended CANCELLED.
             Exception: the handler's final exception if the request FAILED.
-            RuntimeError: if called from a different ``trio.run`` than the
-                service's; the service is not affected.
+            RuntimeError: if the request became final while waited for from
+                a different ``trio.run`` than the service's; raised when it
+                does, and the service is not affected.
         """
         token = trio.lowlevel.current_trio_token()
-        service_token = self._service._token
-        if service_token is not None and service_token is not token:
-            raise _wrong_run(self.id)
         if self.status in FINAL:
             await trio.lowlevel.checkpoint()
         else:
@@ -129,8 +125,7 @@ class Ticket:
                 self._state = waiting
             state = waiting
             await state.event.wait()
-            if state.token is not self._service._token:
-                # The service ran in another run than the one waiting here.
+            if state.foreign:
                 raise _wrong_run(self.id)
         try:
             return self.result()
