@@ -603,6 +603,47 @@ async def test_a_handlers_writes_reach_no_other_request_hook_or_log_record(
     assert scratch.get() == "clean"
 
 
+async def test_handlers_see_their_enqueuers_very_objects_never_equal_copies() -> None:
+    """Requests whose contexts hold equal but distinct values each see their own object."""
+
+    class Equal:
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Equal)
+
+        __hash__ = object.__hash__
+
+    tag: contextvars.ContextVar[Equal] = contextvars.ContextVar("tag")
+
+    async def handler(request: int) -> Equal:
+        await trio.lowlevel.checkpoint()
+        return tag.get()
+
+    values = [Equal() for _ in range(4)]
+    async with tickler.open_service(handler, capacity=1) as service:
+
+        def enqueue(request: int) -> tickler.Ticket:
+            tag.set(values[request // 2])
+            first = service.enqueue_request(request)
+            assert service.enqueue_request(request + 1000).request == request + 1000
+            return first
+
+        tickets = [contextvars.copy_context().run(enqueue, i) for i in range(8)]
+        results = [await t.wait() for t in tickets]
+    assert [id(r) for r in results] == [id(values[i // 2]) for i in range(8)]
+
+
+async def test_a_final_ticket_can_be_awaited_from_another_trio_run() -> None:
+    """Only waiting for an unfinished request needs the service's run."""
+    async with tickler.open_service(work) as service:
+        ticket = service.enqueue_request("done early")
+        await ticket.wait()
+
+        async def wait_elsewhere() -> Any:
+            return await ticket.wait()
+
+        assert await trio.to_thread.run_sync(trio.run, wait_elsewhere) == ("done", "done early")
+
+
 class Payload:
     """A value that can be weakly referenced."""
 
