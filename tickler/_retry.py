@@ -86,7 +86,8 @@ class Retry:
         if self.initial == 0 or attempt <= 1:
             return float(min(self.maximum, self.initial))
         try:
-            delay = self.initial * self.factor ** (attempt - 1)
+            # float: an int factor would grow an exact integer without bound.
+            delay = self.initial * float(self.factor) ** (attempt - 1)
         except OverflowError:
             return float(self.maximum)
         return float(min(self.maximum, delay))
