@@ -14,6 +14,7 @@ import gc
 import logging
 import math
 import threading
+import types
 import weakref
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -796,3 +797,219 @@ def test_retry_delays_are_always_finite_and_non_negative() -> None:
             for value in (retry.backoff(k), retry.delay(k)):
                 assert math.isfinite(value)
                 assert 0 <= value <= retry.maximum
+
+
+# -- found by trying to break the above -----------------------------------------------
+
+
+async def _nursery_then_sleep(request: int) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep, 100)
+        await trio.sleep(100)
+
+
+async def test_a_handler_with_a_nursery_cut_off_by_a_stop_deadline_is_cancelled(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The Cancelled that a handler's nursery wraps in a group still means CANCELLED, not FAILED."""
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(_nursery_then_sleep, capacity=2)
+        await nursery.start(service.run)
+        tickets = [service.enqueue_request(i) for i in range(3)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert await service.stop(timeout=5) == tickets
+    stats = service.statistics()
+    assert (stats.failed, stats.cancelled) == (0, 3)
+
+
+async def test_a_handler_with_a_nursery_is_cancelled_with_the_run(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Cancelling the scope around run cancels such a handler's request, and starts nothing."""
+    service = tickler.Service(_nursery_then_sleep, capacity=1)
+    tickets = [service.enqueue_request(i) for i in range(2)]
+    with trio.move_on_after(1):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+    assert [t.status for t in tickets] == [tickler.Status.CANCELLED] * 2
+    assert tickets[0].attempts == 1
+    assert await service.stop() == tickets
+
+
+async def test_stop_from_a_handler_holding_every_slot_returns_and_the_rest_drains_after(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """With every slot held by handlers in stop(), waiting for the queue could never end."""
+    order: list[str] = []
+
+    async def handler(request: str) -> None:
+        if request == "stopper":
+            await service.stop()
+        await trio.sleep(1)
+        order.append(request)
+
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(handler, capacity=1)
+        await nursery.start(service.run)
+        tickets = [service.enqueue_request(r) for r in ("stopper", "queued")]
+        await trio.testing.wait_all_tasks_blocked()
+        assert await service.stop() == []
+    assert order == ["stopper", "queued"]
+    assert trio.current_time() == 2.0
+    assert [t.status for t in tickets] == [tickler.Status.SUCCEEDED] * 2
+
+
+async def test_a_cancelled_stop_call_in_a_handler_does_not_strand_another(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Two tasks of one handler wait in stop(); one gives up; the other still returns."""
+    returned: list[float] = []
+
+    async def handler(request: str) -> None:
+        if request != "stopper":
+            await trio.sleep(10)
+            return
+
+        async def patient() -> None:
+            await service.stop()
+            returned.append(trio.current_time())
+
+        async def impatient() -> None:
+            with trio.move_on_after(1):
+                await service.stop()
+
+        async with trio.open_nursery() as children:
+            children.start_soon(patient)
+            children.start_soon(impatient)
+
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(handler, capacity=2)
+        await nursery.start(service.run)
+        service.enqueue_request("slow")
+        service.enqueue_request("stopper")
+        await trio.testing.wait_all_tasks_blocked()
+        await service.stop()
+    assert returned == [10.0]
+
+
+async def test_a_parked_processor_keeps_no_finished_request() -> None:
+    """Neither a request handed to a parked processor nor a retry it took stays alive."""
+    refs: list[weakref.ref[Payload]] = []
+    failed_once: set[int] = set()
+
+    async def handler(request: Payload) -> Payload:
+        await trio.lowlevel.checkpoint()
+        if id(request) not in failed_once:
+            failed_once.add(id(request))
+            raise ValueError("once")
+        result = Payload()
+        refs.append(weakref.ref(result))
+        return result
+
+    retry = tickler.Retry(attempts=2, initial=0, jitter=False)
+    async with tickler.open_service(handler, capacity=1, retry=retry) as service:
+        for _ in range(3):
+            request = Payload()
+            refs.append(weakref.ref(request))
+            await service.enqueue_request(request).wait()
+            del request
+            await trio.testing.wait_all_tasks_blocked()  # idle: the processor parks
+        gc.collect()
+        assert [ref() for ref in refs] == [None] * 6
+
+
+async def test_a_waiter_before_run_gets_request_cancelled_from_a_stop_before_run() -> None:
+    """A stop before run wakes the waiters of its run as waiters of that run."""
+    service = tickler.Service(work)
+    ticket = service.enqueue_request(1)
+    async with trio.open_nursery() as nursery:
+
+        async def waiter() -> None:
+            with pytest.raises(tickler.RequestCancelled):
+                await ticket.wait()
+
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await service.stop() == [ticket]
+
+
+async def test_debug_lines_for_a_request_run_in_its_context(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every DEBUG line naming a request sees that request's contextvars."""
+    seen: list[tuple[str, str]] = []
+
+    class Record(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            if message.startswith(("request #", "processing request #")):
+                seen.append((message.split("#")[1].split()[0], origin.get()))
+            return True
+
+    record_filter = Record()
+    logging.getLogger("tickler").addFilter(record_filter)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="tickler"):
+            async with tickler.open_service(work, capacity=1) as service:
+
+                def enqueue(request: int) -> tickler.Ticket:
+                    origin.set(f"origin of #{request}")
+                    return service.enqueue_request(request)
+
+                tickets = [contextvars.copy_context().run(enqueue, i + 1) for i in range(4)]
+                for ticket in tickets:
+                    await ticket.wait()
+    finally:
+        logging.getLogger("tickler").removeFilter(record_filter)
+    assert len(seen) == 12  # added, dequeued and processing, for each of four
+    assert all(value == f"origin of #{number}" for number, value in seen)
+
+
+async def test_result_keeps_the_stored_exceptions_own_context() -> None:
+    """Raising a failure inside the caller's except block does not chain the caller's error."""
+
+    async def handler(request: int) -> None:
+        raise ValueError("boom")
+
+    async with tickler.open_service(handler, on_error=lambda t, e: None) as service:
+        ticket = service.enqueue_request(1)
+        with pytest.raises(ValueError, match=r"^boom$"):
+            await ticket.wait()
+        try:
+            raise KeyError("the caller's own")  # noqa: TRY301 - the caller's handled error
+        except KeyError:
+            with pytest.raises(ValueError, match=r"^boom$") as raised:
+                ticket.result()
+        assert raised.value.__context__ is None
+        with pytest.raises(ValueError, match=r"^boom$") as again:
+            await ticket.wait()
+        assert again.value.__context__ is None
+
+
+@types.coroutine
+def _generator_based(request: int) -> Generator[Any, Any, tuple[str, int]]:
+    yield from trio.lowlevel.checkpoint().__await__()
+    return ("generator", request)
+
+
+async def test_a_generator_based_coroutine_is_awaited() -> None:
+    """A ``@types.coroutine`` generator is awaitable and awaited like a coroutine."""
+    handler: Any = _generator_based
+    async with tickler.open_service(handler) as service:
+        assert await service.enqueue_request(7).wait() == ("generator", 7)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: tickler.Service(work, timeout=10**400), r"^timeout must be at most .* seconds$"),
+        (lambda: tickler.Retry(initial=10**400), r"^initial must be finite$"),
+        (lambda: tickler.Retry(maximum=10**400), r"^maximum must be finite$"),
+    ],
+)
+def test_integers_too_large_for_a_float_are_refused_with_value_error(
+    make: Any, message: str
+) -> None:
+    """Regression: they raised OverflowError from inside the conversion."""
+    with pytest.raises(ValueError, match=message):
+        make()

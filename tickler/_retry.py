@@ -12,9 +12,13 @@ import attrs
 def _check_number(name: str, value: object, *, finite: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number")
-    if math.isnan(value):
+    try:
+        as_float = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite") from None
+    if math.isnan(as_float):
         raise ValueError(f"{name} must not be NaN")
-    if finite and math.isinf(value):
+    if finite and math.isinf(as_float):
         raise ValueError(f"{name} must be finite")
 
 

@@ -74,7 +74,10 @@ def _check_timeout(name: str, value: object, *, allow_zero: bool) -> float | Non
             raise ValueError(f"{name} must be >= 0")
     elif not value > 0:
         raise ValueError(f"{name} must be > 0")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be at most {sys.float_info.max:g} seconds") from None
 
 
 def _format_exception(exc: BaseException) -> str:
@@ -109,10 +112,22 @@ def _iterate(steps: Any) -> Generator[Any, Any, Any]:
 
 def _steps_of(awaitable: object) -> Any:
     """Call ``__await__`` once and return its steps; refuse what is not awaitable."""
+    if (
+        inspect.isgenerator(awaitable)
+        and awaitable.gi_code.co_flags & inspect.CO_ITERABLE_COROUTINE
+    ):
+        return awaitable  # a @types.coroutine generator: awaitable as it is
     await_ = getattr(type(awaitable), "__await__", None)
     if await_ is None:
         raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
     return _iterate(await_(awaitable))
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio.Cancelled, or a group (a handler's nursery) holding only that."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
 
 
 def _holds(context: contextvars.Context, captured: contextvars.Context) -> bool:
@@ -291,7 +306,7 @@ class Service:
         self._may_start = True
         # Processors whose handlers wait in stop(): a stop called from inside
         # the service waits for everything but them (see stop).
-        self._insiders: set[trio.lowlevel.Task] = set()
+        self._insiders: collections.Counter[trio.lowlevel.Task] = collections.Counter()
         self._quiet = trio.Event()
         # The last context a request was enqueued with: requests enqueued from
         # one unchanged context share one Context object instead of a copy each.
@@ -340,6 +355,9 @@ class Service:
         """Whether ``enqueue_request`` now raises :class:`ServiceClosed`."""
         return self._closed
 
+    # A KeyboardInterrupt never lands halfway through the bookkeeping of the
+    # methods marked so (Trio delivers it at the next unprotected point).
+    @trio.lowlevel.enable_ki_protection
     def enqueue_request(self, request: Any) -> Ticket:
         """Queue ``request`` for the handler and return its :class:`Ticket`.
 
@@ -577,6 +595,7 @@ class Service:
                 len(self._queue),
             )
 
+    @trio.lowlevel.enable_ki_protection
     def _take(self, now: float) -> Ticket | None:
         """Take the next request to start: a due retry, else the oldest queued one."""
         heap = self._heap
@@ -601,7 +620,7 @@ class Service:
                 lock.release()
         self._in_flight += 1
         if self._debug:
-            logger.debug("request #%d dequeued", ticket.id)
+            self._log_dequeued(ticket)
         return ticket
 
     # -- the processors -------------------------------------------------
@@ -723,6 +742,7 @@ class Service:
                         following = self._take(now)
                         assert following is not None
                         ticket = following
+                        following = None
                     elif queue:
                         # The common case of _take, inlined: calling _take (and
                         # _finish above) here cost about 2% of burst throughput.
@@ -736,7 +756,7 @@ class Service:
                             lock.release()
                         self._in_flight += 1
                         if self._debug:
-                            logger.debug("request #%d dequeued", ticket.id)
+                            self._log_dequeued(ticket)
                     else:
                         break
             finally:
@@ -757,8 +777,14 @@ class Service:
             if handed is None:
                 return
             ticket, slot = handed
+            handed = None
             now = clock_now()
             chained = 0
+
+    def _log_dequeued(self, ticket: Ticket) -> None:
+        state = ticket._state
+        captured = state if type(state) is _Context else state.context
+        _run_in(captured, logger.debug, "request #%d dequeued", ticket.id)
 
     def _log_start(self, ticket: Ticket) -> None:
         logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
@@ -787,10 +813,13 @@ class Service:
         while idle:
             trio.lowlevel.reschedule(idle.pop().task)
 
+    @trio.lowlevel.enable_ki_protection
     def _wake(self, waiting: Waiting | None) -> None:
         """Wake the waiters of a ticket that just became final."""
+        # Before the service ran, only a stop finishes tickets, in its caller's run.
+        token = self._token or trio.lowlevel.current_trio_token()
         while waiting is not None:
-            if waiting.token is self._token:
+            if waiting.token is token:
                 waiting.event.set()
             else:
                 # Waiters in another Trio run: wake them there, where wait()
@@ -801,6 +830,7 @@ class Service:
                     waiting.token.run_sync_soon(waiting.event.set)
             waiting = waiting.following
 
+    @trio.lowlevel.enable_ki_protection
     def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
         state = ticket._state
         ticket._state = (now, payload)
@@ -808,6 +838,7 @@ class Service:
         if type(state) is Waiting:
             self._wake(state)
 
+    @trio.lowlevel.enable_ki_protection
     def _attempt_failed(
         self, ticket: Ticket, exc: Exception, now: float, context: contextvars.Context
     ) -> None:
@@ -864,23 +895,25 @@ class Service:
                     _format_exception(hook_exc),
                 )
 
+    @trio.lowlevel.enable_ki_protection
     def _abort(self, ticket: Ticket, exc: BaseException) -> None:
         self._in_flight -= 1
         now = self._time()
-        if isinstance(exc, trio.Cancelled):
+        if _is_cancellation(exc):
             self._cancel(ticket, now)
         else:
             # A KeyboardInterrupt or the like ends the run: start nothing more.
             self._may_start = False
             self._fail(ticket, exc, exc.__traceback__, now)
 
+    @trio.lowlevel.enable_ki_protection
     def _fail(
         self, ticket: Ticket, exc: BaseException, tb: types.TracebackType | None, now: float | None
     ) -> None:
         state = ticket._state
         # A failed ticket keeps the original traceback beside the exception:
         # result() raises it with that traceback every time.
-        ticket._state = (now, exc, tb)
+        ticket._state = (now, exc, tb, exc.__context__)
         ticket.status = _FAILED
         self._failed += 1
         if type(state) is Waiting:
@@ -890,6 +923,7 @@ class Service:
         """The Trio clock's time, or None before the service has run."""
         return self._now() if self._now is not None else None
 
+    @trio.lowlevel.enable_ki_protection
     def _cancel(self, ticket: Ticket, now: float | None) -> None:
         self._finish(ticket, _CANCELLED, None, now)
         self._cancelled += 1
@@ -897,6 +931,7 @@ class Service:
 
     # -- stopping -------------------------------------------------------
 
+    @trio.lowlevel.enable_ki_protection
     def _cancel_waiting(self, now: float | None) -> None:
         """Cancel every request that is queued or waiting for a retry."""
         with self._lock:
@@ -918,6 +953,7 @@ class Service:
             self._closed = True
             self._admit = 0
 
+    @trio.lowlevel.enable_ki_protection
     def _wind_down(self, now: float) -> None:
         self._close()
         self._may_start = False
@@ -930,8 +966,15 @@ class Service:
         self._finished.set()
 
     def _check_quiet(self) -> None:
-        """Wake stops called from handlers once only their own requests still run."""
-        if not self._queue and not self._heap and self._in_flight <= len(self._insiders):
+        """Wake stops called from handlers once nothing else can run before they return.
+
+        That is when only requests whose handlers are in stop() still run, and
+        either nothing waits, or they hold every slot: what waits then drains
+        once they return.
+        """
+        if self._in_flight <= len(self._insiders) and (
+            (not self._queue and not self._heap) or self._in_flight >= self._capacity
+        ):
             self._quiet.set()
 
     def _insider(self) -> trio.lowlevel.Task | None:
@@ -998,14 +1041,16 @@ class Service:
         if insider is None:
             await self._finished.wait()
         else:
-            self._insiders.add(insider)
+            self._insiders[insider] += 1
             try:
                 if self._quiet.is_set() and not self._finished.is_set():
                     self._quiet = trio.Event()
                 self._tickle()
                 await self._quiet.wait()
             finally:
-                self._insiders.discard(insider)
+                self._insiders[insider] -= 1
+                if not self._insiders[insider]:
+                    del self._insiders[insider]
         if self._finished.is_set():
             return list(self._stopped_tickets)  # sorted once, when the run ended
         return sorted(self._stopped_tickets, key=_by_id)

@@ -142,15 +142,21 @@ class Ticket:
         if status is Status.SUCCEEDED:
             return self._state[1]
         if status is Status.FAILED:
-            _, error, traceback = self._state
+            _, error, traceback, context = self._state
             try:
                 # Raised with its original traceback every time: raising the
                 # same exception again would otherwise add frames to it.
-                raise error.with_traceback(traceback)
+                raise error.with_traceback(traceback)  # noqa: TRY301 - re-raised just below
+            except BaseException:
+                # Raising sets __context__ to whatever the caller is handling;
+                # the stored exception keeps its own, and the caller's
+                # exception (and its frames) do not live on in the ticket.
+                error.__context__ = context
+                raise
             finally:
                 # This frame is in the traceback of the exception it raises;
                 # keeping the ticket here would be a cycle through the ticket.
-                del self, error, traceback
+                del self, error, traceback, context
         if status is Status.CANCELLED:
             raise RequestCancelled(f"request #{self.id} was cancelled")
         raise RuntimeError(f"request #{self.id} is {status.value}, not final")
