@@ -677,3 +677,16 @@ async def test_parked_processors_never_outnumber_the_cap() -> None:
         assert len(service_nursery.child_tasks) == 2
         await service.stop()
         assert service_nursery.child_tasks == frozenset()
+
+
+async def test_timestamps_agree_with_the_default_trio_clock() -> None:
+    """With Trio's own clock (read without a call on the hot paths) times still order exactly."""
+    before = trio.current_time()
+    async with tickler.open_service(Recorder()) as service:
+        ticket = service.enqueue_request(1)
+        await ticket.wait()
+    after = trio.current_time()
+    assert ticket.enqueued_at is not None
+    assert ticket.started_at is not None
+    assert ticket.finished_at is not None
+    assert before <= ticket.enqueued_at <= ticket.started_at <= ticket.finished_at <= after
