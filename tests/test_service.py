@@ -9,6 +9,7 @@ import logging
 import weakref
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -690,3 +691,18 @@ async def test_timestamps_agree_with_the_default_trio_clock() -> None:
     assert ticket.started_at is not None
     assert ticket.finished_at is not None
     assert before <= ticket.enqueued_at <= ticket.started_at <= ticket.finished_at <= after
+
+
+def test_an_enqueued_ticket_has_every_field_set() -> None:
+    """enqueue_request builds tickets field by field: no field of Ticket may be left out."""
+    service = tickler.Service(Recorder())
+    ticket = service.enqueue_request("x")
+    for field in attrs.fields(tickler.Ticket):
+        getattr(ticket, field.name)  # raises AttributeError for a slot never set
+    assert (ticket.request, ticket.id, ticket.status, ticket.attempts) == (
+        "x",
+        1,
+        tickler.Status.QUEUED,
+        0,
+    )
+    assert (ticket.enqueued_at, ticket.started_at, ticket.finished_at) == (None, None, None)
