@@ -611,13 +611,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
     parser.add_argument("--rounds", type=int, help="rounds per workload (default 5)")
+    parser.add_argument(
+        "--no-gc",
+        action="store_true",
+        help="disable the garbage collector for the whole run, to see what it costs",
+    )
     args = parser.parse_args(argv)
+    if args.no_gc:
+        gc.disable()
     config = QUICK if args.quick else Config()
     if args.rounds is not None:
         config.rounds = args.rounds
     print(f"running the {'quick' if args.quick else 'full'} benchmark", file=sys.stderr)
     table = run(config, out=lambda line: print(line, file=sys.stderr))
     print(render(table, config))
+    if args.no_gc:
+        print(
+            "The garbage collector was disabled for this run (--no-gc): rows said to include"
+            " collection include none."
+        )
     if args.quick:
         print("Quick run: a smoke check. Its sizes are too small to judge the targets.")
 
