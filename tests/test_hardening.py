@@ -400,12 +400,13 @@ async def test_a_stop_keeps_its_deadline_when_its_first_caller_is_cancelled(
     assert ticket.status is tickler.Status.CANCELLED
 
 
+started: list[int] = []
+
+
 async def _instant(request: int) -> int:
+    """A handler that never yields."""
     started.append(request)
     return request
-
-
-started: list[int] = []
 
 
 async def test_no_request_starts_after_the_runs_scope_is_cancelled() -> None:
