@@ -14,6 +14,7 @@ import gc
 import logging
 import math
 import threading
+import time
 import types
 import weakref
 from collections.abc import Generator, Iterator
@@ -1014,3 +1015,109 @@ def test_integers_too_large_for_a_float_are_refused_with_value_error(
     """Regression: they raised OverflowError from inside the conversion."""
     with pytest.raises(ValueError, match=message):
         make()
+
+
+async def test_a_request_enqueued_by_a_hook_never_starts_before_it_was_enqueued() -> None:
+    """Each start is read afresh, so ``enqueued_at <= started_at`` also for chained requests."""
+    follow_ups: list[tickler.Ticket] = []
+
+    async def handler(request: str) -> str:
+        await trio.lowlevel.checkpoint()
+        if request == "bad":
+            raise ValueError(request)
+        return request
+
+    def on_error(ticket: tickler.Ticket, exc: Exception) -> None:
+        time.sleep(0.001)  # a hook that takes a while, on the real clock
+        follow_ups.append(service.enqueue_request("compensate"))
+
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(handler, capacity=1, on_error=on_error)
+        await nursery.start(service.run)
+        bad = service.enqueue_request("bad")
+        with pytest.raises(ValueError, match=r"^bad$"):
+            await bad.wait()
+        [follow_up] = follow_ups
+        assert await follow_up.wait() == "compensate"
+        await service.stop()
+    assert follow_up.enqueued_at is not None
+    assert follow_up.started_at is not None
+    assert follow_up.enqueued_at <= follow_up.started_at
+
+
+async def test_a_refused_callers_context_is_not_kept() -> None:
+    """A closed service keeps nothing of the context of a caller it refused."""
+    holder: contextvars.ContextVar[Payload] = contextvars.ContextVar("holder")
+    service = tickler.Service(work)
+    await service.stop()
+    value = Payload()
+    ref = weakref.ref(value)
+
+    def enqueue(payload: Payload) -> None:
+        holder.set(payload)
+        with pytest.raises(tickler.ServiceClosed):
+            service.enqueue_request(1)
+
+    contextvars.copy_context().run(enqueue, value)
+    del value
+    gc.collect()
+    assert ref() is None
+
+
+async def test_a_clock_merely_named_like_trios_own_is_called() -> None:
+    """Only Trio's own default clock is read as offset + perf_counter; any other is called."""
+
+    class SystemClock(trio.abc.Clock):
+        def __init__(self) -> None:
+            self.offset = 5000.0
+
+        def start_clock(self) -> None:
+            pass
+
+        def current_time(self) -> float:
+            return self.offset + time.perf_counter()
+
+        def deadline_to_sleep_time(self, deadline: float) -> float:
+            return max(0.0, deadline - self.current_time())
+
+    async def main() -> tickler.Ticket:
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, SystemClock)
+        async with tickler.open_service(work) as service:
+            clock.offset += 100.0
+            ticket = service.enqueue_request(1)
+            await ticket.wait()
+        return ticket
+
+    before = 5100.0 + time.perf_counter()
+    ticket = await trio.to_thread.run_sync(lambda: trio.run(main, clock=SystemClock()))
+    assert ticket.enqueued_at is not None
+    assert before <= ticket.enqueued_at <= 5100.0 + time.perf_counter()
+
+
+async def test_the_slot_freed_line_carries_no_handlers_writes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A line for no request runs in no request's context, not in the last handler's."""
+    seen: list[str] = []
+
+    async def handler(request: int) -> None:
+        scratch.set(f"written by {request}")
+        await trio.lowlevel.checkpoint()
+
+    class Record(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.getMessage().startswith("slot freed"):
+                seen.append(scratch.get())
+            return True
+
+    record_filter = Record()
+    logging.getLogger("tickler").addFilter(record_filter)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="tickler"):
+            async with tickler.open_service(handler, capacity=1) as service:
+                await service.enqueue_request(1).wait()
+    finally:
+        logging.getLogger("tickler").removeFilter(record_filter)
+    assert seen
+    assert set(seen) == {"clean"}

@@ -132,8 +132,11 @@ def _offset_of(clock: trio.abc.Clock) -> float:
     method. The hot paths read the same sum themselves, which costs a tenth
     of the call. The formula is checked against the clock before it is used.
     """
+    kind = type(clock)
     offset = getattr(clock, "offset", None)
-    if type(clock).__name__ != "SystemClock" or type(offset) is not float or not offset:
+    if (kind.__module__, kind.__qualname__) != ("trio._core._run", "SystemClock") or (
+        type(offset) is not float or not offset
+    ):
         return 0.0
     before = clock.current_time()
     read = offset + time.perf_counter()
@@ -435,6 +438,7 @@ class Service:
             length = len(queue)
             if length >= self._admit:
                 self._rejected += 1
+                self._last_context = None  # a refused caller's context is kept by nothing
                 if self._closed:
                     raise ServiceClosed(f"service {self.name!r} is closed")
                 raise QueueFull(f"service {self.name!r} already has {length} queued requests")
@@ -731,7 +735,9 @@ class Service:
                         break
                     ticket.status = _RUNNING
                     ticket.attempts += 1
-                    ticket.started_at = now
+                    # Read afresh: a hook or another thread may have enqueued
+                    # this request after the last reading.
+                    ticket.started_at = now = offset + timer()
                     self._started += 1
                     if self._debug:
                         _run_in(context, self._log_start, ticket)
@@ -811,8 +817,13 @@ class Service:
                 self._limiter.release_on_behalf_of(slot)
                 self._tickle()
                 if self._debug:
-                    logger.debug(
-                        "slot freed: now %d/%d slots in use", self._in_flight, self._capacity
+                    # Not a line for any one request: no request's context.
+                    _run_in(
+                        _EMPTY_CONTEXT,
+                        logger.debug,
+                        "slot freed: now %d/%d slots in use",
+                        self._in_flight,
+                        self._capacity,
                     )
             handed = await self._park()
             if handed is None:
