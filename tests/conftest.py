@@ -80,7 +80,9 @@ def enqueue_context(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
     if request.param == "no contextvars":
         enqueue = tickler.Service.enqueue_request
 
-        def enqueue_request(self: tickler.Service, request: Any) -> tickler.Ticket:
+        def enqueue_request(
+            self: tickler.Service[Any, Any], request: Any
+        ) -> tickler.Ticket[Any, Any]:
             return run_without_harness_variables(enqueue, self, request)  # type: ignore[no-any-return]
 
         monkeypatch.setattr(tickler.Service, "enqueue_request", enqueue_request)

@@ -151,12 +151,12 @@ async def test_an_awaitable_returning_a_plain_iterator_works_on_every_path() -> 
     assert service.statistics().succeeded == 3
 
 
-async def _async_hook(ticket: tickler.Ticket, exc: Exception) -> None:
+async def _async_hook(ticket: tickler.Ticket[Any, Any], exc: Exception) -> None:
     await trio.lowlevel.checkpoint()
 
 
 class _AsyncCallable:
-    async def __call__(self, ticket: tickler.Ticket, exc: Exception) -> None:
+    async def __call__(self, ticket: tickler.Ticket[Any, Any], exc: Exception) -> None:
         await trio.lowlevel.checkpoint()
 
 
@@ -186,7 +186,7 @@ async def test_an_on_error_that_returns_an_awaitable_is_reported(
     async def failing(request: object) -> None:
         raise ValueError("boom")
 
-    def hook(ticket: tickler.Ticket, exc: Exception) -> Any:
+    def hook(ticket: tickler.Ticket[Any, Any], exc: Exception) -> Any:
         return _async_hook(ticket, exc)
 
     async with tickler.open_service(failing, on_error=hook) as service:
@@ -311,7 +311,7 @@ async def test_stop_without_drain_from_a_handler_cancels_the_queue_and_returns_i
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """``stop(drain=False)`` from inside cancels what waits and returns it, not itself."""
-    returned: list[list[tickler.Ticket]] = []
+    returned: list[list[tickler.Ticket[Any, Any]]] = []
 
     async def handler(request: str) -> str:
         if request == "stopper":
@@ -464,7 +464,7 @@ async def test_no_request_starts_after_a_handler_raises_a_base_exception() -> No
     check_identity(stats)
 
 
-def _is_queued(ticket: tickler.Ticket) -> bool:
+def _is_queued(ticket: tickler.Ticket[Any, Any]) -> bool:
     return ticket.status is tickler.Status.QUEUED
 
 
@@ -547,7 +547,7 @@ async def test_a_handlers_writes_reach_no_other_request_hook_or_log_record(
         def emit(self, record: logging.LogRecord) -> None:
             logged.append((record.levelno, origin.get(), scratch.get()))
 
-    def on_error(ticket: tickler.Ticket, exc: Exception) -> None:
+    def on_error(ticket: tickler.Ticket[Any, Any], exc: Exception) -> None:
         hooks.append((ticket.id, origin.get(), scratch.get()))
 
     capture = Capture(logging.WARNING)
@@ -558,8 +558,8 @@ async def test_a_handlers_writes_reach_no_other_request_hook_or_log_record(
             handler, capacity=1, retry=retry, on_error=on_error
         ) as service:
 
-            def enqueue_from(value: str | None, request: str) -> tickler.Ticket:
-                def enqueue() -> tickler.Ticket:
+            def enqueue_from(value: str | None, request: str) -> tickler.Ticket[Any, Any]:
+                def enqueue() -> tickler.Ticket[Any, Any]:
                     if value is not None:
                         origin.set(value)
                     return service.enqueue_request(request)
@@ -624,7 +624,7 @@ async def test_handlers_see_their_enqueuers_very_objects_never_equal_copies() ->
     values = [Equal() for _ in range(4)]
     async with tickler.open_service(handler, capacity=1) as service:
 
-        def enqueue(request: int) -> tickler.Ticket:
+        def enqueue(request: int) -> tickler.Ticket[Any, Any]:
             tag.set(values[request // 2])
             first = service.enqueue_request(request)
             assert service.enqueue_request(request + 1000).request == request + 1000
@@ -666,7 +666,7 @@ async def test_an_idle_service_keeps_no_contextvar_value_of_a_finished_request()
 
     async with tickler.open_service(handler, capacity=3) as service:
 
-        def enqueue(request: int) -> tickler.Ticket:
+        def enqueue(request: int) -> tickler.Ticket[Any, Any]:
             value = Payload()
             refs.append(weakref.ref(value))
             payloads.set(value)
@@ -954,7 +954,7 @@ async def test_debug_lines_for_a_request_run_in_its_context(
         with caplog.at_level(logging.DEBUG, logger="tickler"):
             async with tickler.open_service(work, capacity=1) as service:
 
-                def enqueue(request: int) -> tickler.Ticket:
+                def enqueue(request: int) -> tickler.Ticket[Any, Any]:
                     origin.set(f"origin of #{request}")
                     return service.enqueue_request(request)
 
@@ -1019,7 +1019,7 @@ def test_integers_too_large_for_a_float_are_refused_with_value_error(
 
 async def test_a_request_enqueued_by_a_hook_never_starts_before_it_was_enqueued() -> None:
     """Each start is read afresh, so ``enqueued_at <= started_at`` also for chained requests."""
-    follow_ups: list[tickler.Ticket] = []
+    follow_ups: list[tickler.Ticket[Any, Any]] = []
 
     async def handler(request: str) -> str:
         await trio.lowlevel.checkpoint()
@@ -1027,7 +1027,7 @@ async def test_a_request_enqueued_by_a_hook_never_starts_before_it_was_enqueued(
             raise ValueError(request)
         return request
 
-    def on_error(ticket: tickler.Ticket, exc: Exception) -> None:
+    def on_error(ticket: tickler.Ticket[Any, Any], exc: Exception) -> None:
         time.sleep(0.001)  # a hook that takes a while, on the real clock
         follow_ups.append(service.enqueue_request("compensate"))
 
@@ -1080,7 +1080,7 @@ async def test_a_clock_merely_named_like_trios_own_is_called() -> None:
         def deadline_to_sleep_time(self, deadline: float) -> float:
             return max(0.0, deadline - self.current_time())
 
-    async def main() -> tickler.Ticket:
+    async def main() -> tickler.Ticket[Any, Any]:
         clock = trio.lowlevel.current_clock()
         assert isinstance(clock, SystemClock)
         async with tickler.open_service(work) as service:

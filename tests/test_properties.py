@@ -67,7 +67,7 @@ def run_scenario(
                 running -= 1
 
         service = tickler.Service(handler, on_error=lambda ticket, exc: None, **opts)
-        tickets: list[tickler.Ticket] = []
+        tickets: list[tickler.Ticket[Any, Any]] = []
         rejected = 0
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)

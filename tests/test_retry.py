@@ -219,7 +219,7 @@ async def test_full_queue_never_blocks_a_retry(autojump_clock: trio.abc.Clock) -
     """With max_queue_length=1 and capacity 1, pending retries never deadlock the service."""
     flaky = Flaky(failures=2)
     retry = tickler.Retry(attempts=3, initial=0.5, jitter=False)
-    tickets: list[tickler.Ticket] = []
+    tickets: list[tickler.Ticket[Any, Any]] = []
     refused = 0
     async with tickler.open_service(flaky, capacity=1, max_queue_length=1, retry=retry) as service:
         for i in range(40):

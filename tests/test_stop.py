@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -129,7 +131,7 @@ async def test_timeout_zero_cancels_at_once(autojump_clock: trio.abc.Clock) -> N
 
 async def test_stop_is_idempotent(autojump_clock: trio.abc.Clock) -> None:
     """Concurrent and later stop() calls wait for the same stop and return the same tickets."""
-    results: list[list[tickler.Ticket]] = []
+    results: list[list[tickler.Ticket[Any, Any]]] = []
 
     async def stop_and_record(**kwargs: object) -> None:
         results.append(await service.stop(**kwargs))  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import trio
@@ -26,7 +27,7 @@ async def test_many_threads_enqueue_concurrently() -> None:
         await trio.lowlevel.checkpoint()
         seen.append(request)
 
-    tickets: list[list[tickler.Ticket]] = [[] for _ in range(THREADS)]
+    tickets: list[list[tickler.Ticket[Any, Any]]] = [[] for _ in range(THREADS)]
     start = threading.Barrier(THREADS)
 
     def producer(index: int) -> None:

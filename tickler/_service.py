@@ -16,19 +16,19 @@ import traceback
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from typing import Any, Generic
 
 import trio
 
 from ._exceptions import QueueFull, ServiceClosed
 from ._retry import Retry
 from ._statistics import ServiceStatistics
-from ._ticket import Status, Ticket, Waiting
+from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
 logger = logging.getLogger("tickler")
 
-Handler = Callable[[Any], Awaitable[Any]]
-ErrorHook = Callable[[Ticket, Exception], object]
+Handler = Callable[[RequestT], Awaitable[ResultT]]
+ErrorHook = Callable[[Ticket[RequestT, ResultT], Exception], object]
 
 _QUEUED = Status.QUEUED
 _RUNNING = Status.RUNNING
@@ -88,7 +88,7 @@ def _format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-def default_on_error(ticket: Ticket, exc: Exception) -> None:
+def default_on_error(ticket: Ticket[Any, Any], exc: Exception) -> None:
     """Log a request's final failure, with its traceback, on the ``tickler`` logger."""
     if logger.isEnabledFor(logging.ERROR):
         logger.error(
@@ -183,7 +183,7 @@ def _run_in(context: contextvars.Context, fn: Callable[..., Any], *args: Any) ->
     return context.copy().run(fn, *args)
 
 
-class Service:
+class Service(Generic[RequestT, ResultT]):
     """A background work service built on the tickler pattern.
 
     Requests wait in a FIFO queue; one supervisor loop, woken ("tickled")
@@ -256,13 +256,13 @@ class Service:
 
     def __init__(
         self,
-        handler: Handler,
+        handler: Handler[RequestT, ResultT],
         *,
         capacity: int = 10,
         max_queue_length: int | None = 10_000,
         timeout: float | None = None,
         retry: Retry | None = None,
-        on_error: ErrorHook | None = None,
+        on_error: ErrorHook[RequestT, ResultT] | None = None,
         name: str = "tickler",
     ) -> None:
         if not callable(handler):
@@ -297,14 +297,14 @@ class Service:
         # The queue. A threading.Lock, not a Trio lock: enqueue_request is
         # also called from threads that are not running Trio.
         self._lock = threading.Lock()
-        self._queue: collections.deque[Ticket] = collections.deque()
+        self._queue: collections.deque[Ticket[RequestT, ResultT]] = collections.deque()
         # The cap. Slots are borrowed on behalf of each request's ticket, so
         # the limiter's statistics name the requests in flight.
         self._limiter = trio.CapacityLimiter(capacity)
         self._capacity = capacity  # mirrors the limiter's total, for the hot path
         # Retries wait here, ordered by due time, held by the loop itself: a
         # retry never needs a queue place, so a full queue cannot block it.
-        self._heap: list[tuple[float, int, Ticket]] = []
+        self._heap: list[tuple[float, int, Ticket[RequestT, ResultT]]] = []
         self._heap_seq = itertools.count()
         # Processors with nothing to do, parked until the loop hands them a start.
         self._idle: list[_Parked] = []
@@ -325,7 +325,7 @@ class Service:
         self._finished = trio.Event()
         self._stop_called = False
         self._stop_deadline = math.inf
-        self._stopped_tickets: list[Ticket] = []
+        self._stopped_tickets: list[Ticket[RequestT, ResultT]] = []
         self._may_start = True
         # Processors whose handlers wait in stop(): a stop called from inside
         # the service waits for everything but them (see stop).
@@ -384,7 +384,7 @@ class Service:
     # A KeyboardInterrupt never lands halfway through the bookkeeping of the
     # methods marked so (Trio delivers it at the next unprotected point).
     @trio.lowlevel.enable_ki_protection
-    def enqueue_request(self, request: Any) -> Ticket:
+    def enqueue_request(self, request: RequestT) -> Ticket[RequestT, ResultT]:
         """Queue ``request`` for the handler and return its :class:`Ticket`.
 
         Never blocks and costs O(1). Safe to call from the Trio thread, from
@@ -638,7 +638,7 @@ class Service:
             )
 
     @trio.lowlevel.enable_ki_protection
-    def _take(self, now: float) -> Ticket | None:
+    def _take(self, now: float) -> Ticket[RequestT, ResultT] | None:
         """Take the next request to start: a due retry, else the oldest queued one."""
         heap = self._heap
         if heap and heap[0][0] <= now:
@@ -667,7 +667,7 @@ class Service:
 
     # -- the processors -------------------------------------------------
 
-    async def _process(self, ticket: Ticket, slot: _Slot) -> None:
+    async def _process(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
         """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
 
         Keeping the slot saves a task spawn per request. With nothing left to
@@ -833,15 +833,15 @@ class Service:
             now = clock_now()
             chained = 0
 
-    def _log_dequeued(self, ticket: Ticket) -> None:
+    def _log_dequeued(self, ticket: Ticket[RequestT, ResultT]) -> None:
         state = ticket._state
         captured = state if type(state) is _Context else state.context
         _run_in(captured, logger.debug, "request #%d dequeued", ticket.id)
 
-    def _log_start(self, ticket: Ticket) -> None:
+    def _log_start(self, ticket: Ticket[RequestT, ResultT]) -> None:
         logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
 
-    async def _park(self) -> tuple[Ticket, _Slot] | None:
+    async def _park(self) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
         """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
 
         At most `capacity` processors wait; the others exit at once.
@@ -883,7 +883,9 @@ class Service:
             waiting = waiting.following
 
     @trio.lowlevel.enable_ki_protection
-    def _finish(self, ticket: Ticket, status: Status, payload: Any, now: float | None) -> None:
+    def _finish(
+        self, ticket: Ticket[RequestT, ResultT], status: Status, payload: Any, now: float | None
+    ) -> None:
         state = ticket._state
         ticket._state = (now, payload)
         ticket.status = status
@@ -892,7 +894,11 @@ class Service:
 
     @trio.lowlevel.enable_ki_protection
     def _attempt_failed(
-        self, ticket: Ticket, exc: Exception, now: float, context: contextvars.Context
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        exc: Exception,
+        now: float,
+        context: contextvars.Context,
     ) -> None:
         self._in_flight -= 1
         # Drop the processor's own frame from the traceback: it refers to the
@@ -948,7 +954,7 @@ class Service:
                 )
 
     @trio.lowlevel.enable_ki_protection
-    def _abort(self, ticket: Ticket, exc: BaseException) -> None:
+    def _abort(self, ticket: Ticket[RequestT, ResultT], exc: BaseException) -> None:
         self._in_flight -= 1
         now = self._time()
         if _is_cancellation(exc):
@@ -960,7 +966,11 @@ class Service:
 
     @trio.lowlevel.enable_ki_protection
     def _fail(
-        self, ticket: Ticket, exc: BaseException, tb: types.TracebackType | None, now: float | None
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        exc: BaseException,
+        tb: types.TracebackType | None,
+        now: float | None,
     ) -> None:
         state = ticket._state
         # A failed ticket keeps the original traceback beside the exception:
@@ -976,7 +986,7 @@ class Service:
         return self._now() if self._now is not None else None
 
     @trio.lowlevel.enable_ki_protection
-    def _cancel(self, ticket: Ticket, now: float | None) -> None:
+    def _cancel(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
         self._finish(ticket, _CANCELLED, None, now)
         self._cancelled += 1
         self._stopped_tickets.append(ticket)
@@ -1042,7 +1052,9 @@ class Service:
             task = parent.parent_task
         return None
 
-    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> list[Ticket]:
+    async def stop(
+        self, *, drain: bool = True, timeout: float | None = None
+    ) -> list[Ticket[RequestT, ResultT]]:
         """Stop the service and return the tickets that did not complete.
 
         Enqueueing is refused from the first instant. With ``drain=True`` the
@@ -1132,25 +1144,25 @@ class _Parked:
 
     def __init__(self, task: trio.lowlevel.Task) -> None:
         self.task = task
-        self.handed: tuple[Ticket, _Slot] | None = None
+        self.handed: tuple[Ticket[Any, Any], _Slot] | None = None
 
 
-def _by_id(ticket: Ticket) -> int:
+def _by_id(ticket: Ticket[Any, Any]) -> int:
     return ticket.id
 
 
 @asynccontextmanager
 async def open_service(
-    handler: Handler,
+    handler: Handler[RequestT, ResultT],
     *,
     capacity: int = 10,
     max_queue_length: int | None = 10_000,
     timeout: float | None = None,
     retry: Retry | None = None,
-    on_error: ErrorHook | None = None,
+    on_error: ErrorHook[RequestT, ResultT] | None = None,
     name: str = "tickler",
     shutdown_timeout: float | None = None,
-) -> AsyncIterator[Service]:
+) -> AsyncIterator[Service[RequestT, ResultT]]:
     """Run a :class:`Service` for the duration of an ``async with`` block.
 
     When the body ends normally the service is stopped with

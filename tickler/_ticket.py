@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
@@ -22,6 +22,9 @@ class Status(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
+
+RequestT = TypeVar("RequestT")
+ResultT = TypeVar("ResultT")
 
 FINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED})
 
@@ -60,7 +63,7 @@ def _wrong_run(ticket_id: int) -> RuntimeError:
 # request keeps its exception's original traceback beside it, so that raising
 # the exception again never grows the traceback.
 @attrs.define(eq=False, slots=True, weakref_slot=False)
-class Ticket:
+class Ticket(Generic[RequestT, ResultT]):
     """The receipt for one request handed to a :class:`tickler.Service`.
 
     A ticket moves QUEUED -> RUNNING (-> RETRYING -> RUNNING ...) and ends in
@@ -68,7 +71,7 @@ class Ticket:
     :func:`trio.current_time`.
     """
 
-    request: Any
+    request: RequestT
     """The object passed to ``enqueue_request``."""
     id: int
     """Increasing number, unique within its service, starting at 1."""
@@ -95,7 +98,7 @@ class Ticket:
         """Whether the request has reached a final state."""
         return self.status in FINAL
 
-    async def wait(self) -> Any:
+    async def wait(self) -> ResultT:
         """Wait until the request is final and return the handler's result.
 
         Always a checkpoint. Call it from the Trio run that runs the service
@@ -132,7 +135,7 @@ class Ticket:
         finally:
             del self  # as in result(): no cycle through a failure's traceback
 
-    def result(self) -> Any:
+    def result(self) -> ResultT:
         """Return the result of a final ticket, like :meth:`wait` without waiting.
 
         Raises:
@@ -140,7 +143,7 @@ class Ticket:
         """
         status = self.status
         if status is Status.SUCCEEDED:
-            return self._state[1]
+            return self._state[1]  # type: ignore[no-any-return]
         if status is Status.FAILED:
             _, error, traceback, context = self._state
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import attrs
 import hypercorn.config
@@ -76,7 +77,7 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def make_app(store: Store, service: tickler.Service) -> Starlette:
+def make_app(store: Store, service: tickler.Service[Any, Any]) -> Starlette:
     """The ASGI app: POST/GET/DELETE /sites and GET /stats."""
 
     async def create_site(request: Request) -> Response:

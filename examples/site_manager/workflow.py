@@ -100,7 +100,7 @@ class Workflow:
     store: Store
     data: Path
     backend: Backend
-    service: tickler.Service | None = None
+    service: tickler.Service[Any, Any] | None = None
     # Steps of one site run one at a time, so a delete never races a creation step.
     _locks: dict[int, trio.Lock] = attrs.field(factory=dict)
 
