@@ -37,7 +37,7 @@ class Flaky:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"attempts": 0}, r"^attempts must be >= 1$"),
+        ({"attempts": 0}, r"^attempts must be >= 1 or None$"),
         ({"initial": -0.1}, r"^initial must be >= 0$"),
         ({"factor": 0.5}, r"^factor must be >= 1$"),
         ({"maximum": -1}, r"^maximum must be >= 0$"),
@@ -53,7 +53,7 @@ def test_bad_retry_values_are_refused(kwargs: dict[str, Any], message: str) -> N
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"attempts": 2.0}, r"^attempts must be an int$"),
+        ({"attempts": 2.0}, r"^attempts must be an int or None$"),
         ({"initial": "1"}, r"^initial must be a number$"),
         ({"jitter": 1}, r"^jitter must be a bool$"),
         ({"on": (KeyboardInterrupt,)}, r"^on must be an Exception subclass or a tuple of them$"),
@@ -138,10 +138,10 @@ async def test_only_listed_errors_are_retried(autojump_clock: trio.abc.Clock) ->
 async def test_exhaustion_reports_once_with_the_last_error(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """on_error runs once after the final attempt; earlier errors are logged as warnings."""
+    """on_error runs once after the final attempt; earlier errors are logged at INFO."""
     calls: list[tuple[int, int, str]] = []
     retry = tickler.Retry(attempts=3, initial=0.5, factor=2.0, jitter=False)
-    with caplog.at_level(logging.WARNING, logger="tickler"):
+    with caplog.at_level(logging.INFO, logger="tickler"):
         async with tickler.open_service(
             Flaky(failures=99),
             retry=retry,
@@ -151,12 +151,15 @@ async def test_exhaustion_reports_once_with_the_last_error(
     assert calls == [(1, 3, "attempt 3 of 'r'")]
     with pytest.raises(ConnectionError, match=r"^attempt 3 of 'r'$"):
         await ticket.wait()
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert [r.getMessage().splitlines()[0] for r in warnings] == [
-        "request #1 attempt 1 failed, retrying in 0.500 seconds",
-        "request #1 attempt 2 failed, retrying in 1.000 seconds",
+    retried = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert retried == [
+        "request #1 attempt 1 failed (ConnectionError: attempt 1 of 'r'),"
+        " retrying in 0.500 seconds",
+        "request #1 attempt 2 failed (ConnectionError: attempt 2 of 'r'),"
+        " retrying in 1.000 seconds",
     ]
-    assert "ConnectionError: attempt 1 of 'r'" in warnings[0].getMessage()
+    # The final failure went to this test's on_error, not to the default's ERROR.
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
     stats = service.statistics()
     assert (stats.failed, stats.retried, stats.started) == (1, 2, 3)
 
@@ -369,3 +372,48 @@ async def test_attempt_failing_during_a_cancel_stop_is_not_retried(
     assert ticket.status is tickler.Status.CANCELLED
     assert ticket.attempts == 1
     assert service.statistics().retried == 0
+
+
+async def test_retried_attempts_log_their_traceback_only_at_debug(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A program that configured no logging prints nothing for a retried attempt."""
+    retry = tickler.Retry(attempts=2, initial=0.5, jitter=False)
+    with caplog.at_level(logging.DEBUG, logger="tickler"):
+        async with tickler.open_service(Flaky(failures=1), retry=retry) as service:
+            assert await service.enqueue_request("r").wait() == "ok r"
+    tracebacks = [r for r in caplog.records if "Traceback" in r.getMessage()]
+    assert [r.levelno for r in tracebacks] == [logging.DEBUG]
+    assert "request #1 attempt 1 failed\nTraceback" in tracebacks[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_attempts_none_retries_without_end() -> None:
+    """``Retry(attempts=None)`` retries whatever the attempt number."""
+    retry = tickler.Retry(attempts=None)
+    assert all(retry.should_retry(k, ValueError()) for k in (1, 2, 10**6, 10**18))
+    only = tickler.Retry(attempts=None, on=ConnectionError)
+    assert not only.should_retry(5, ValueError())
+
+
+async def test_retry_forever_runs_until_success(autojump_clock: trio.abc.Clock) -> None:
+    """A request failing 200 times with attempts=None succeeds on attempt 201."""
+    retry = tickler.Retry(attempts=None, initial=0.01, maximum=1.0, jitter=False)
+    async with tickler.open_service(Flaky(failures=200), retry=retry) as service:
+        ticket = service.enqueue_request("r")
+        assert await ticket.wait() == "ok r"
+    assert ticket.attempts == 201
+    assert service.statistics().retried == 200
+
+
+async def test_retry_forever_ends_at_a_stops_deadline(autojump_clock: trio.abc.Clock) -> None:
+    """Only a stop's timeout (or a cancel) ends a request that never succeeds."""
+    retry = tickler.Retry(attempts=None, initial=1.0, maximum=1.0, jitter=False)
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(Flaky(failures=10**9), retry=retry)
+        await nursery.start(service.run)
+        ticket = service.enqueue_request("r")
+        assert await service.stop(timeout=30) == [ticket]
+    assert trio.current_time() == 30.0
+    assert ticket.status is tickler.Status.CANCELLED
+    assert 25 <= ticket.attempts <= 31

@@ -36,13 +36,15 @@ def _to_exception_types(value: object) -> tuple[type[Exception], ...]:
 class Retry:
     """Retry failed attempts with capped exponential backoff.
 
-    ``attempts`` counts every attempt, the first one included. Before attempt
-    ``k + 1`` the request waits ``min(maximum, initial * factor ** (k - 1))``
-    seconds; with ``jitter`` the wait is drawn uniformly from the upper half of
-    that. Only exceptions that are instances of ``on`` are retried.
+    ``attempts`` counts every attempt, the first one included; ``None``
+    retries until the request succeeds, is cancelled, or a stop's timeout
+    ends it. Before attempt ``k + 1`` the request waits
+    ``min(maximum, initial * factor ** (k - 1))`` seconds; with ``jitter`` the
+    wait is drawn uniformly from the upper half of that. Only exceptions that
+    are instances of ``on`` are retried.
     """
 
-    attempts: int = attrs.field(default=3)
+    attempts: int | None = attrs.field(default=3)
     initial: float = attrs.field(default=0.1)
     factor: float = attrs.field(default=2.0)
     maximum: float = attrs.field(default=30.0)
@@ -52,11 +54,13 @@ class Retry:
     )
 
     @attempts.validator
-    def _check_attempts(self, _: Any, value: int) -> None:
+    def _check_attempts(self, _: Any, value: int | None) -> None:
+        if value is None:
+            return
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError("attempts must be an int")
+            raise TypeError("attempts must be an int or None")
         if value < 1:
-            raise ValueError("attempts must be >= 1")
+            raise ValueError("attempts must be >= 1 or None")
 
     @initial.validator
     def _check_initial(self, _: Any, value: float) -> None:
@@ -105,4 +109,5 @@ class Retry:
 
     def should_retry(self, attempt: int, exc: Exception) -> bool:
         """Whether failed attempt number ``attempt`` raising ``exc`` gets another attempt."""
-        return attempt < self.attempts and isinstance(exc, self.on)
+        attempts = self.attempts
+        return (attempts is None or attempt < attempts) and isinstance(exc, self.on)

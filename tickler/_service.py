@@ -88,6 +88,12 @@ def _format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
+def _one_line(exc: BaseException) -> str:
+    """``ExcType: message`` on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def default_on_error(ticket: Ticket[Any, Any], exc: Exception) -> None:
     """Log a request's final failure, with its traceback, on the ``tickler`` logger."""
     if logger.isEnabledFor(logging.ERROR):
@@ -920,16 +926,27 @@ class Service(Generic[RequestT, ResultT]):
             heapq.heappush(heap, (now + delay, next(self._heap_seq), ticket))
             if heap[0][2] is ticket:
                 self._tickle()  # the loop must now wake earlier
-            if logger.isEnabledFor(logging.WARNING):
+            # A retried failure is routine: INFO with the error in one line,
+            # the traceback at DEBUG. Only the final failure is an ERROR.
+            if logger.isEnabledFor(logging.INFO):
                 _run_in(
                     context,
-                    logger.warning,
-                    "request #%d attempt %d failed, retrying in %.3f seconds\n%s",
+                    logger.info,
+                    "request #%d attempt %d failed (%s), retrying in %.3f seconds",
                     ticket.id,
                     attempt,
+                    _one_line(exc),
                     delay,
-                    _format_exception(exc),
                 )
+                if logger.isEnabledFor(logging.DEBUG):
+                    _run_in(
+                        context,
+                        logger.debug,
+                        "request #%d attempt %d failed\n%s",
+                        ticket.id,
+                        attempt,
+                        _format_exception(exc),
+                    )
             return
         self._fail(ticket, exc, tb, now)
         del tb
