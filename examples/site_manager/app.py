@@ -174,8 +174,10 @@ async def serve(
         workflow = Workflow(
             store, settings.data, Backend(settings.latency, settings.fail_rate, rng)
         )
+        # Backend failures are retried until they succeed (or a stop's
+        # deadline ends them); the restart picks up what a stop cut short.
         retry = tickler.Retry(
-            attempts=1_000_000,
+            attempts=None,
             initial=settings.retry_initial,
             maximum=settings.retry_maximum,
             on=(BackendError, tickler.QueueFull),
