@@ -224,6 +224,7 @@ class Service(Generic[RequestT, ResultT]):
         "_heap",
         "_heap_seq",
         "_idle",
+        "_idle_event",
         "_in_flight",
         "_insiders",
         "_last_context",
@@ -337,6 +338,8 @@ class Service(Generic[RequestT, ResultT]):
         # the service waits for everything but them (see stop).
         self._insiders: collections.Counter[trio.lowlevel.Task] = collections.Counter()
         self._quiet = trio.Event()
+        # Set when nothing is queued, retrying or in flight, for join().
+        self._idle_event: trio.Event | None = None
         # The last context a request was enqueued with: requests enqueued from
         # one unchanged context share one Context object instead of a copy each.
         self._last_context: tuple[contextvars.Context, tuple[Any, ...], int] | None = None
@@ -582,6 +585,9 @@ class Service(Generic[RequestT, ResultT]):
                 if not self._queue:
                     # Nothing waits: keep no enqueuer's context alive for sharing.
                     self._last_context = None
+                    if self._idle_event is not None and self._in_flight == 0 and not heap:
+                        self._idle_event.set()
+                        self._idle_event = None
                 # A retry already due is waiting for a slot, and a completion
                 # will tickle: only a retry due later needs the timer.
                 wake_at = self._stop_deadline
@@ -1042,6 +1048,8 @@ class Service(Generic[RequestT, ResultT]):
             self._signal_tx.close()
         self._stopped_tickets.sort(key=_by_id)
         self._quiet.set()
+        if self._idle_event is not None:
+            self._idle_event.set()
         self._finished.set()
 
     def _check_quiet(self) -> None:
@@ -1068,6 +1076,36 @@ class Service(Generic[RequestT, ResultT]):
                 return task
             task = parent.parent_task
         return None
+
+    def _is_idle(self) -> bool:
+        return not self._queue and not self._heap and self._in_flight == 0
+
+    async def join(self) -> None:
+        """Wait until nothing is queued, retrying or in flight; close nothing.
+
+        Returns at once if the service is idle, and is always a checkpoint.
+        Requests enqueued while it waits are waited for too. Before ``run``
+        it waits for the run to take the queue; after the run has ended
+        nothing is left and it returns.
+
+        Raises:
+            RuntimeError: called from one of the service's own handlers (it
+                would wait for itself), or from a different Trio run.
+        """
+        token = self._token
+        if token is not None and token is not trio.lowlevel.current_trio_token():
+            raise RuntimeError(f"service {self.name!r} must be joined from the Trio run running it")
+        if token is not None and self._insider() is not None:
+            raise RuntimeError(
+                f"join() called from a handler of service {self.name!r} would wait for itself"
+            )
+        while not (self._is_idle() or self._finished.is_set()):
+            event = self._idle_event
+            if event is None:
+                event = self._idle_event = trio.Event()
+                self._tickle()
+            await event.wait()
+        await trio.lowlevel.checkpoint()
 
     async def stop(
         self, *, drain: bool = True, timeout: float | None = None
