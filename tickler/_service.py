@@ -217,6 +217,7 @@ class Service(Generic[RequestT, ResultT]):
         "_capacity",
         "_closed",
         "_debug",
+        "_draining",
         "_failed",
         "_finished",
         "_foreign_pending",
@@ -332,6 +333,8 @@ class Service(Generic[RequestT, ResultT]):
         self._finished = trio.Event()
         self._stop_called = False
         self._stop_deadline = math.inf
+        # A drain is under way and still takes follow-ups from handlers.
+        self._draining = False
         self._stopped_tickets: list[Ticket[RequestT, ResultT]] = []
         self._may_start = True
         # Processors whose handlers wait in stop(): a stop called from inside
@@ -446,11 +449,17 @@ class Service(Generic[RequestT, ResultT]):
             queue = self._queue
             length = len(queue)
             if length >= self._admit:
-                self._rejected += 1
-                self._last_context = None  # a refused caller's context is kept by nothing
-                if self._closed:
+                # Refused, unless it is a follow-up from one of the service's
+                # own handlers during a drain, with room in the queue. Only
+                # this slow path asks which.
+                if self._closed and not (self._draining and self._is_follow_up()):
+                    self._rejected += 1
+                    self._last_context = None  # a refused caller's context is kept by nothing
                     raise ServiceClosed(f"service {self.name!r} is closed")
-                raise QueueFull(f"service {self.name!r} already has {length} queued requests")
+                if self.max_queue_length is not None and length >= self.max_queue_length:
+                    self._rejected += 1
+                    self._last_context = None
+                    raise QueueFull(f"service {self.name!r} already has {length} queued requests")
             if timer is None and self._now is not None:
                 ticket.enqueued_at = self._now()  # the run started meanwhile
             self._last_id = ticket.id = ticket_id = self._last_id + 1
@@ -605,11 +614,12 @@ class Service(Generic[RequestT, ResultT]):
         except BaseException:
             # Cancelled with the run, or the run is ending: from this instant
             # no processor starts another request.
-            self._may_start = False
+            self._may_start = self._draining = False
             raise
 
     def _expire(self) -> None:
         """The stop's deadline has passed: cancel everything that is left."""
+        self._draining = False
         self._may_start = False
         self._cancel_waiting(self._time())
         assert self._nursery is not None
@@ -984,7 +994,7 @@ class Service(Generic[RequestT, ResultT]):
             self._cancel(ticket, now)
         else:
             # A KeyboardInterrupt or the like ends the run: start nothing more.
-            self._may_start = False
+            self._may_start = self._draining = False
             self._fail(ticket, exc, exc.__traceback__, now)
 
     @trio.lowlevel.enable_ki_protection
@@ -1040,6 +1050,7 @@ class Service(Generic[RequestT, ResultT]):
 
     @trio.lowlevel.enable_ki_protection
     def _wind_down(self, now: float) -> None:
+        self._draining = False
         self._close()
         self._may_start = False
         self.stopping.set()
@@ -1076,6 +1087,13 @@ class Service(Generic[RequestT, ResultT]):
                 return task
             task = parent.parent_task
         return None
+
+    def _is_follow_up(self) -> bool:
+        """Whether the caller is one of this service's handlers (or a task it spawned)."""
+        try:
+            return self._insider() is not None
+        except RuntimeError:  # not in a Trio task: another thread
+            return False
 
     def _is_idle(self) -> bool:
         return not self._queue and not self._heap and self._in_flight == 0
@@ -1152,7 +1170,9 @@ class Service(Generic[RequestT, ResultT]):
                 assert self._now is not None
                 if limit is not None:
                     self._stop_deadline = self._now() + limit
-                if not drain:
+                if drain:
+                    self._draining = True
+                else:
                     self._may_start = False
                     self._cancel_waiting(self._now())
                 self._tickle()
