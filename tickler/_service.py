@@ -233,7 +233,6 @@ class Service(Generic[RequestT, ResultT]):
         "_limiter",
         "_lock",
         "_may_start",
-        "_now",
         "_nursery",
         "_offset",
         "_on_error",
@@ -347,10 +346,9 @@ class Service(Generic[RequestT, ResultT]):
         # one unchanged context share one Context object instead of a copy each.
         self._last_context: tuple[contextvars.Context, tuple[Any, ...], int] | None = None
 
-        # Set when run starts: the Trio clock's bound current_time, and the
-        # token that also tells whether the service has ever run.
-        self._now: Callable[[], float] | None = None
-        # The same clock for the hot paths, read as `_offset + _timer()`.
+        # Set when run starts: the Trio clock, read as `_offset + _timer()`
+        # (see _offset_of), and the token that also tells whether the service
+        # has ever run.
         self._offset = 0.0
         self._timer: Callable[[], float] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -419,6 +417,8 @@ class Service(Generic[RequestT, ResultT]):
                 # The same variables holding the very same objects: share the
                 # earlier Context. Values are compared by identity only, never
                 # with ==, which may run user code and calls equal values alike.
+                # (The processor's twin is _holds; here the check is inlined
+                # over a cached tuple of items, the cheaper form per enqueue.)
                 try:
                     for var, value in last[1]:  # type: ignore[index]
                         if context[var] is not value:
@@ -460,8 +460,8 @@ class Service(Generic[RequestT, ResultT]):
                     self._rejected += 1
                     self._last_context = None
                     raise QueueFull(f"service {self.name!r} already has {length} queued requests")
-            if timer is None and self._now is not None:
-                ticket.enqueued_at = self._now()  # the run started meanwhile
+            if timer is None:
+                ticket.enqueued_at = self._time()  # the run may have started meanwhile
             self._last_id = ticket.id = ticket_id = self._last_id + 1
             queue.append(ticket)
             if not self._wakeup_pending:
@@ -559,7 +559,6 @@ class Service(Generic[RequestT, ResultT]):
         with self._lock:
             self._token = trio.lowlevel.current_trio_token()
             self._thread = _get_ident()
-            self._now = clock.current_time
             # The offset first: a thread that sees the timer sees its offset.
             self._timer, self._offset = None, _offset_of(clock)
             self._timer = time.perf_counter if self._offset else clock.current_time
@@ -571,36 +570,37 @@ class Service(Generic[RequestT, ResultT]):
                 task_status.started()
                 await self._supervise()
         finally:
-            self._wind_down(self._now())
+            self._wind_down(self._time())
 
     async def _supervise(self) -> None:
         """The loop: dispatch, then sleep until tickled, a retry is due or the stop's deadline."""
         assert self._signal_rx is not None
-        assert self._now is not None
+        timer = self._timer
+        assert timer is not None
+        offset = self._offset
         receive = self._signal_rx.receive
-        clock_now = self._now
         heap = self._heap
         try:
             while True:
                 self._dispatch()
                 if self._stop_called:
-                    if self._in_flight == 0 and not self._queue and not heap:
+                    if self._is_idle():
                         self._release_idle()
                         return
-                    if clock_now() >= self._stop_deadline:
+                    if offset + timer() >= self._stop_deadline:
                         self._expire()
                     elif self._insiders:
                         self._check_quiet()
                 if not self._queue:
                     # Nothing waits: keep no enqueuer's context alive for sharing.
                     self._last_context = None
-                    if self._idle_event is not None and self._in_flight == 0 and not heap:
+                    if self._idle_event is not None and self._is_idle():
                         self._idle_event.set()
                         self._idle_event = None
                 # A retry already due is waiting for a slot, and a completion
                 # will tickle: only a retry due later needs the timer.
                 wake_at = self._stop_deadline
-                if heap and self._may_start and heap[0][0] > clock_now():
+                if heap and self._may_start and heap[0][0] > offset + timer():
                     wake_at = min(wake_at, heap[0][0])
                 if wake_at < math.inf:
                     with trio.move_on_at(wake_at):
@@ -632,8 +632,9 @@ class Service(Generic[RequestT, ResultT]):
         limiter = self._limiter
         nursery = self._nursery
         assert nursery is not None
-        assert self._now is not None
-        now = self._now()
+        timer = self._timer
+        assert timer is not None
+        now = self._offset + timer()
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
@@ -708,8 +709,6 @@ class Service(Generic[RequestT, ResultT]):
         attempt starts clean. Every request, with or without contextvars,
         takes this one path.
         """
-        clock_now = self._now
-        assert clock_now is not None
         timer = self._timer
         assert timer is not None
         offset = self._offset
@@ -723,7 +722,7 @@ class Service(Generic[RequestT, ResultT]):
         # now, with the variables and values set and the tokens to undo them.
         held: contextvars.Context | None = None
         held_tokens: list[contextvars.Token[Any]] = []
-        now = clock_now()
+        now = offset + timer()
         chained = 0
         while True:  # one slot after another
             try:
@@ -744,7 +743,7 @@ class Service(Generic[RequestT, ResultT]):
                             task.context = _EMPTY_CONTEXT.copy()
                             await trio.lowlevel.cancel_shielded_checkpoint()
                             context = task.context
-                            now = clock_now()
+                            now = offset + timer()
                         if captured:
                             held_tokens = [var.set(value) for var, value in captured.items()]
                             held = captured
@@ -753,7 +752,7 @@ class Service(Generic[RequestT, ResultT]):
                         # between taking this request and starting it.
                         self._may_start = False
                         self._in_flight -= 1
-                        self._cancel(ticket, clock_now())
+                        self._cancel(ticket, offset + timer())
                         break
                     ticket.status = _RUNNING
                     ticket.attempts += 1
@@ -762,7 +761,13 @@ class Service(Generic[RequestT, ResultT]):
                     ticket.started_at = now = offset + timer()
                     self._started += 1
                     if self._debug:
-                        _run_in(context, self._log_start, ticket)
+                        _run_in(
+                            context,
+                            logger.debug,
+                            "processing request #%d (attempt %d)",
+                            ticket.id,
+                            ticket.attempts,
+                        )
                     try:
                         awaitable = handler(ticket.request)
                         if type(awaitable) is not _Coroutine:
@@ -804,7 +809,7 @@ class Service(Generic[RequestT, ResultT]):
                         # Handlers that never yield must not starve other tasks.
                         chained = 0
                         await trio.lowlevel.cancel_shielded_checkpoint()
-                        now = clock_now()
+                        now = offset + timer()
                     if not self._may_start or self._in_flight >= self._capacity:
                         break
                     if heap and heap[0][0] <= now:
@@ -852,16 +857,13 @@ class Service(Generic[RequestT, ResultT]):
                 return
             ticket, slot = handed
             handed = None
-            now = clock_now()
+            now = offset + timer()
             chained = 0
 
     def _log_dequeued(self, ticket: Ticket[RequestT, ResultT]) -> None:
         state = ticket._state
         captured = state if type(state) is _Context else state.context
         _run_in(captured, logger.debug, "request #%d dequeued", ticket.id)
-
-    def _log_start(self, ticket: Ticket[RequestT, ResultT]) -> None:
-        logger.debug("processing request #%d (attempt %d)", ticket.id, ticket.attempts)
 
     async def _park(self) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
         """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
@@ -906,10 +908,11 @@ class Service(Generic[RequestT, ResultT]):
 
     @trio.lowlevel.enable_ki_protection
     def _finish(
-        self, ticket: Ticket[RequestT, ResultT], status: Status, payload: Any, now: float | None
+        self, ticket: Ticket[RequestT, ResultT], status: Status, final: tuple[Any, ...]
     ) -> None:
+        """Make ``ticket`` final: ``final`` is its state, starting with finished_at."""
         state = ticket._state
-        ticket._state = (now, payload)
+        ticket._state = final
         ticket.status = status
         if type(state) is Waiting:
             self._wake(state)
@@ -1005,22 +1008,19 @@ class Service(Generic[RequestT, ResultT]):
         tb: types.TracebackType | None,
         now: float | None,
     ) -> None:
-        state = ticket._state
         # A failed ticket keeps the original traceback beside the exception:
         # result() raises it with that traceback every time.
-        ticket._state = (now, exc, tb, exc.__context__)
-        ticket.status = _FAILED
+        self._finish(ticket, _FAILED, (now, exc, tb, exc.__context__))
         self._failed += 1
-        if type(state) is Waiting:
-            self._wake(state)
 
     def _time(self) -> float | None:
         """The Trio clock's time, or None before the service has run."""
-        return self._now() if self._now is not None else None
+        timer = self._timer
+        return self._offset + timer() if timer is not None else None
 
     @trio.lowlevel.enable_ki_protection
     def _cancel(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
-        self._finish(ticket, _CANCELLED, None, now)
+        self._finish(ticket, _CANCELLED, (now, None))
         self._cancelled += 1
         self._stopped_tickets.append(ticket)
 
@@ -1049,7 +1049,7 @@ class Service(Generic[RequestT, ResultT]):
             self._admit = 0
 
     @trio.lowlevel.enable_ki_protection
-    def _wind_down(self, now: float) -> None:
+    def _wind_down(self, now: float | None) -> None:
         self._draining = False
         self._close()
         self._may_start = False
@@ -1095,6 +1095,13 @@ class Service(Generic[RequestT, ResultT]):
         except RuntimeError:  # not in a Trio task: another thread
             return False
 
+    def _check_run(self, what: str) -> trio.lowlevel.TrioToken | None:
+        """The service's run's token, after checking the caller runs there too."""
+        token = self._token
+        if token is not None and token is not trio.lowlevel.current_trio_token():
+            raise RuntimeError(f"service {self.name!r} must be {what} from the Trio run running it")
+        return token
+
     def _is_idle(self) -> bool:
         return not self._queue and not self._heap and self._in_flight == 0
 
@@ -1110,9 +1117,7 @@ class Service(Generic[RequestT, ResultT]):
             RuntimeError: called from one of the service's own handlers (it
                 would wait for itself), or from a different Trio run.
         """
-        token = self._token
-        if token is not None and token is not trio.lowlevel.current_trio_token():
-            raise RuntimeError(f"service {self.name!r} must be joined from the Trio run running it")
+        token = self._check_run("joined")
         if token is not None and self._insider() is not None:
             raise RuntimeError(
                 f"join() called from a handler of service {self.name!r} would wait for itself"
@@ -1155,11 +1160,7 @@ class Service(Generic[RequestT, ResultT]):
         if not isinstance(drain, bool):
             raise TypeError("drain must be a bool")
         limit = _check_timeout("timeout", timeout, allow_zero=True)
-        token = self._token
-        if token is not None and token is not trio.lowlevel.current_trio_token():
-            raise RuntimeError(
-                f"service {self.name!r} must be stopped from the Trio run running it"
-            )
+        token = self._check_run("stopped")
         if not self._closed:
             self._stop_called = True
             self._close()
@@ -1167,14 +1168,15 @@ class Service(Generic[RequestT, ResultT]):
             if token is None:
                 self._wind_down(trio.current_time())
             else:
-                assert self._now is not None
+                now = self._time()
+                assert now is not None
                 if limit is not None:
-                    self._stop_deadline = self._now() + limit
+                    self._stop_deadline = now + limit
                 if drain:
                     self._draining = True
                 else:
                     self._may_start = False
-                    self._cancel_waiting(self._now())
+                    self._cancel_waiting(now)
                 self._tickle()
         insider = self._insider() if token is not None else None
         if insider is None:
