@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ def check_identity(stats: tickler.ServiceStatistics) -> None:
     """Assert the counter identity every statistics snapshot must satisfy."""
     assert stats.enqueued == (
         stats.queued
+        + stats.scheduled
         + stats.in_flight
         + stats.retrying
         + stats.succeeded
@@ -81,9 +83,10 @@ def enqueue_context(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         enqueue = tickler.Service.enqueue_request
 
         def enqueue_request(
-            self: tickler.Service[Any, Any], request: Any
+            self: tickler.Service[Any, Any], request: Any, **options: Any
         ) -> tickler.Ticket[Any, Any]:
-            return run_without_harness_variables(enqueue, self, request)  # type: ignore[no-any-return]
+            call = functools.partial(enqueue, self, request, **options)
+            return run_without_harness_variables(call)  # type: ignore[no-any-return]
 
         monkeypatch.setattr(tickler.Service, "enqueue_request", enqueue_request)
     return str(request.param)

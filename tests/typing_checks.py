@@ -7,7 +7,7 @@ strict), mypy fails if such a line ever stops being an error.
 
 from __future__ import annotations
 
-from typing import assert_type
+from typing import Any, assert_type
 
 import attrs
 
@@ -47,7 +47,19 @@ async def checks() -> None:
     assert_type(ticket.result(), Receipt)
     assert_type(await service.stop(), list[tickler.Ticket[Order, Receipt]])
 
+    keyed = service.enqueue_request(Order("tea"), key=("order", 1), delay=2.5)
+    assert_type(keyed, tickler.Ticket[Order, Receipt])
+    assert_type(await service.submit(Order("tea")), tickler.Ticket[Order, Receipt])
+    assert_type(
+        await service.submit(Order("tea"), key="k", delay=1), tickler.Ticket[Order, Receipt]
+    )
+    assert_type(tickler.current_service(), tickler.Service[Any, Any])
+    assert_type(tickler.current_ticket(), tickler.Ticket[Any, Any])
+
     service.enqueue_request(42)  # type: ignore[arg-type]
+    await service.submit(42)  # type: ignore[arg-type]
+    service.enqueue_request(Order("tea"), key=["not", "hashable"])  # type: ignore[arg-type]
+    service.enqueue_request(Order("tea"), delay="1")  # type: ignore[arg-type]
     wrong: str = await ticket.wait()  # type: ignore[assignment]
     tickler.Service(place, on_error=wrong_hook)  # type: ignore[misc]
 

@@ -8,6 +8,8 @@ from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import TicklerError as TicklerError
 from ._retry import Retry as Retry
 from ._service import Service as Service
+from ._service import current_service as current_service
+from ._service import current_ticket as current_ticket
 from ._service import open_service as open_service
 from ._statistics import ServiceStatistics as ServiceStatistics
 from ._ticket import Status as Status
@@ -23,6 +25,8 @@ __all__ = [
     "Status",
     "Ticket",
     "TicklerError",
+    "current_service",
+    "current_ticket",
     "open_service",
 ]
 

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Hashable
 from contextlib import asynccontextmanager, suppress
 from typing import Any, Generic
 
@@ -31,6 +31,7 @@ Handler = Callable[[RequestT], Awaitable[ResultT]]
 ErrorHook = Callable[[Ticket[RequestT, ResultT], Exception], object]
 
 _QUEUED = Status.QUEUED
+_SCHEDULED = Status.SCHEDULED
 _RUNNING = Status.RUNNING
 _RETRYING = Status.RETRYING
 _SUCCEEDED = Status.SUCCEEDED
@@ -80,6 +81,26 @@ def _check_timeout(name: str, value: object, *, allow_zero: bool) -> float | Non
         return float(value)
     except OverflowError:
         raise ValueError(f"{name} must be at most {sys.float_info.max:g} seconds") from None
+
+
+def _check_delay(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"delay must be a number of seconds or None, not {type(value).__name__}")
+    if not value >= 0:
+        raise ValueError("delay must be >= 0")
+    if value == math.inf:
+        raise ValueError("delay must be finite")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"delay must be at most {sys.float_info.max:g} seconds") from None
+
+
+def _check_key(key: object) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
 
 
 def _format_exception(exc: BaseException) -> str:
@@ -217,6 +238,7 @@ class Service(Generic[RequestT, ResultT]):
         "_capacity",
         "_closed",
         "_debug",
+        "_deduplicated",
         "_draining",
         "_failed",
         "_finished",
@@ -227,7 +249,10 @@ class Service(Generic[RequestT, ResultT]):
         "_idle",
         "_idle_event",
         "_in_flight",
+        "_incoming",
         "_insiders",
+        "_key_of",
+        "_keys",
         "_last_context",
         "_last_id",
         "_limiter",
@@ -243,12 +268,15 @@ class Service(Generic[RequestT, ResultT]):
         "_retried",
         "_retry",
         "_retrying",
+        "_room",
+        "_scheduled",
         "_signal_rx",
         "_signal_tx",
         "_started",
         "_stop_called",
         "_stop_deadline",
         "_stopped_tickets",
+        "_submitters",
         "_succeeded",
         "_thread",
         "_timeout",
@@ -295,9 +323,9 @@ class Service(Generic[RequestT, ResultT]):
         self._on_error = on_error if on_error is not None else default_on_error
         self.name = name
         self.max_queue_length = max_queue_length
-        # The queue length at which enqueue_request refuses: the cap while
-        # the service is open, 0 once it is closed, so one comparison on the
-        # hot path covers both refusals.
+        # The queue length at which enqueue_request refuses: the cap less the
+        # delayed requests while the service is open, 0 once it is closed, so
+        # one comparison on the hot path covers every refusal.
         self._admit = max_queue_length if max_queue_length is not None else _UNBOUNDED
         self._closed = False
 
@@ -313,6 +341,17 @@ class Service(Generic[RequestT, ResultT]):
         # retry never needs a queue place, so a full queue cannot block it.
         self._heap: list[tuple[float, int, Ticket[RequestT, ResultT]]] = []
         self._heap_seq = itertools.count()
+        # Delayed requests on their way to the heap: enqueue_request (from any
+        # thread) appends (delay, ticket) under the lock; the loop moves them
+        # into the heap, which only its own thread touches.
+        self._incoming: list[tuple[float, Ticket[RequestT, ResultT]]] = []
+        self._scheduled = 0  # delayed requests not yet started, under the lock
+        # Keys of live requests, and the key of each keyed live ticket.
+        self._keys: dict[object, Ticket[RequestT, ResultT]] = {}
+        self._key_of: dict[Ticket[RequestT, ResultT], object] = {}
+        # submit() callers waiting for room in the queue, and how many.
+        self._room = trio.lowlevel.ParkingLot()
+        self._submitters = 0
         # Processors with nothing to do, parked until the loop hands them a start.
         self._idle: list[_Parked] = []
 
@@ -323,6 +362,7 @@ class Service(Generic[RequestT, ResultT]):
         self._cancelled = 0
         self._retried = 0
         self._rejected = 0
+        self._deduplicated = 0
         self._wakeups = 0
         self._peak = 0
         self._in_flight = 0
@@ -394,17 +434,34 @@ class Service(Generic[RequestT, ResultT]):
     # A KeyboardInterrupt never lands halfway through the bookkeeping of the
     # methods marked so (Trio delivers it at the next unprotected point).
     @trio.lowlevel.enable_ki_protection
-    def enqueue_request(self, request: RequestT) -> Ticket[RequestT, ResultT]:
+    def enqueue_request(
+        self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
+    ) -> Ticket[RequestT, ResultT]:
         """Queue ``request`` for the handler and return its :class:`Ticket`.
 
         Never blocks and costs O(1). Safe to call from the Trio thread, from
         any other thread, and before :meth:`run` starts. The handler will run
         with a copy of the caller's contextvars.
 
+        Args:
+            key: any hashable, or None. While a request enqueued with an
+                equal key is not final, enqueueing the key again creates
+                nothing and returns that request's ticket.
+            delay: seconds (>= 0) before the request may start, or None.
+                Until then it is SCHEDULED: it waits in the loop's timer,
+                holds no slot, and counts against ``max_queue_length``.
+
         Raises:
-            QueueFull: ``max_queue_length`` requests are already queued.
+            QueueFull: ``max_queue_length`` requests are already queued or
+                scheduled.
             ServiceClosed: a stop has begun or the run has ended.
+            TypeError, ValueError: ``key`` is not hashable, or ``delay`` is
+                not a finite number >= 0.
         """
+        if key is not None or delay is not None:
+            return self._enqueue_keyed(request, key, delay)
+        # (Everything below is the hot path. _enqueue_keyed is its twin for
+        # keys and delays; _capture_context, the part on contextvars.)
         context = _copy_context()
         if not context:
             # One shared empty Context serves every request enqueued without
@@ -456,10 +513,7 @@ class Service(Generic[RequestT, ResultT]):
                     self._rejected += 1
                     self._last_context = None  # a refused caller's context is kept by nothing
                     raise ServiceClosed(f"service {self.name!r} is closed")
-                if self.max_queue_length is not None and length >= self.max_queue_length:
-                    self._rejected += 1
-                    self._last_context = None
-                    raise QueueFull(f"service {self.name!r} already has {length} queued requests")
+                self._check_room(length)
             if timer is None:
                 ticket.enqueued_at = self._time()  # the run may have started meanwhile
             self._last_id = ticket.id = ticket_id = self._last_id + 1
@@ -477,12 +531,112 @@ class Service(Generic[RequestT, ResultT]):
             logger.debug("request #%d added, queue length now %d", ticket_id, length + 1)
         return ticket
 
+    def _capture_context(self) -> contextvars.Context:
+        """The caller's context for a new request, shared with the last one if unchanged.
+
+        The twin of the code at the start of enqueue_request, which inlines it.
+        """
+        context = _copy_context()
+        if not context:
+            return _EMPTY_CONTEXT
+        last = self._last_context
+        if last is not None and last[2] == len(context):
+            try:
+                if all(context[var] is value for var, value in last[1]):
+                    return last[0]
+            except KeyError:
+                pass
+        self._last_context = (context, tuple(context.items()), len(context))
+        return context
+
+    def _check_room(self, length: int, *, waits: bool = False) -> None:
+        """Raise QueueFull if ``length`` queued requests and the delayed ones fill the queue.
+
+        Called with the lock held, on a refusal path. A caller that ``waits``
+        for room (submit) is not refused, and not counted.
+        """
+        bound = self.max_queue_length
+        if bound is not None and length + self._scheduled >= bound:
+            if not waits:
+                self._rejected += 1
+            self._last_context = None  # a refused caller's context is kept by nothing
+            scheduled = f" and {self._scheduled} scheduled" if self._scheduled else ""
+            raise QueueFull(
+                f"service {self.name!r} already has {length} queued{scheduled} requests"
+            )
+
+    def _set_admit(self) -> None:
+        """Recompute the hot path's bound. Called with the lock held."""
+        bound = self.max_queue_length
+        if self._closed:
+            self._admit = 0
+        elif bound is not None:
+            self._admit = bound - self._scheduled
+        else:
+            self._admit = _UNBOUNDED
+
+    def _enqueue_keyed(
+        self,
+        request: RequestT,
+        key: Hashable | None,
+        delay: float | None,
+        *,
+        waits: bool = False,
+    ) -> Ticket[RequestT, ResultT]:
+        """enqueue_request with a key or a delay, and for submit (which ``waits``)."""
+        if key is not None:
+            _check_key(key)
+        if delay is not None:
+            delay = _check_delay(delay)
+        context = self._capture_context()
+        status = _QUEUED if delay is None else _SCHEDULED
+        ticket: Ticket[RequestT, ResultT] = Ticket(request, 0, status, 0, None, None, context)
+        with self._lock:
+            queue = self._queue
+            length = len(queue)
+            if self._closed and not (self._draining and self._is_follow_up()):
+                self._rejected += 1
+                self._last_context = None
+                raise ServiceClosed(f"service {self.name!r} is closed")
+            if key is not None:
+                live = self._keys.get(key)
+                if live is not None:
+                    self._deduplicated += 1
+                    if self._debug:
+                        logger.debug("request #%d already holds the key %r", live.id, key)
+                    return live
+            self._check_room(length, waits=waits)
+            ticket.enqueued_at = self._time()
+            self._last_id = ticket.id = self._last_id + 1
+            if key is not None:
+                self._keys[key] = ticket
+                self._key_of[ticket] = key
+            if delay is None:
+                queue.append(ticket)
+            else:
+                self._incoming.append((delay, ticket))
+                self._scheduled += 1
+                self._set_admit()
+            if self._thread == _get_ident():
+                self._tickle()
+            else:
+                self._wake_from_thread()
+        if self._debug:
+            logger.debug(
+                "request #%d added%s%s",
+                ticket.id,
+                f" with key {key!r}" if key is not None else "",
+                f", due in {delay:g} seconds" if delay is not None else "",
+            )
+        return ticket
+
     def statistics(self) -> ServiceStatistics:
         """Return a consistent snapshot of the counters. Call it from the Trio thread."""
         with self._lock:
             queued = len(self._queue)
             return ServiceStatistics(
                 queued=queued,
+                scheduled=self._scheduled,
                 in_flight=self._in_flight,
                 retrying=self._retrying,
                 capacity=self._capacity,
@@ -494,6 +648,7 @@ class Service(Generic[RequestT, ResultT]):
                 cancelled=self._cancelled,
                 retried=self._retried,
                 rejected=self._rejected,
+                deduplicated=self._deduplicated,
                 wakeups=self._wakeups,
                 peak_queued=max(self._peak, queued),
             )
@@ -564,6 +719,8 @@ class Service(Generic[RequestT, ResultT]):
             self._timer = time.perf_counter if self._offset else clock.current_time
             for ticket in self._queue:
                 ticket.enqueued_at = now
+            for _, ticket in self._incoming:
+                ticket.enqueued_at = now
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -582,6 +739,8 @@ class Service(Generic[RequestT, ResultT]):
         heap = self._heap
         try:
             while True:
+                if self._incoming:
+                    self._schedule_incoming()
                 self._dispatch()
                 if self._stop_called:
                     if self._is_idle():
@@ -616,6 +775,25 @@ class Service(Generic[RequestT, ResultT]):
             # no processor starts another request.
             self._may_start = self._draining = False
             raise
+
+    def _schedule_incoming(self) -> None:
+        """Move the delayed requests enqueued since the last wake-up into the timer heap."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        heap = self._heap
+        seq = self._heap_seq
+        for delay, ticket in incoming:
+            assert ticket.enqueued_at is not None
+            heapq.heappush(heap, (ticket.enqueued_at + delay, next(seq), ticket))
+
+    @trio.lowlevel.enable_ki_protection
+    def _unschedule(self) -> None:
+        """A delayed request leaves the heap: it no longer holds a queue place."""
+        with self._lock:
+            self._scheduled -= 1
+            self._set_admit()
+        if self._submitters:
+            self._room.unpark()
 
     def _expire(self) -> None:
         """The stop's deadline has passed: cancel everything that is left."""
@@ -662,11 +840,14 @@ class Service(Generic[RequestT, ResultT]):
 
     @trio.lowlevel.enable_ki_protection
     def _take(self, now: float) -> Ticket[RequestT, ResultT] | None:
-        """Take the next request to start: a due retry, else the oldest queued one."""
+        """Take the next request to start: a due retry or delayed one, else the oldest queued."""
         heap = self._heap
         if heap and heap[0][0] <= now:
             ticket = heapq.heappop(heap)[2]
-            self._retrying -= 1
+            if ticket.status is _SCHEDULED:
+                self._unschedule()
+            else:
+                self._retrying -= 1
         else:
             queue = self._queue
             if not queue:
@@ -683,6 +864,8 @@ class Service(Generic[RequestT, ResultT]):
                 ticket = queue.popleft()
             finally:
                 lock.release()
+            if self._submitters:
+                self._room.unpark()
         self._in_flight += 1
         if self._debug:
             self._log_dequeued(ticket)
@@ -718,147 +901,161 @@ class Service(Generic[RequestT, ResultT]):
         queue = self._queue
         lock = self._lock
         task = trio.lowlevel.current_task()
-        # The enqueuer's context whose variables this task's context holds
-        # now, with the variables and values set and the tokens to undo them.
-        held: contextvars.Context | None = None
-        held_tokens: list[contextvars.Token[Any]] = []
-        now = offset + timer()
-        chained = 0
-        while True:  # one slot after another
-            try:
-                while True:
-                    state = ticket._state
-                    captured = state if type(state) is _Context else state.context
-                    context = task.context  # the context this step runs in
-                    if held is not None and (captured is not held or not _holds(context, captured)):
-                        # Another enqueuer's request, or the last handler
-                        # changed its enqueuer's variables: undo them.
-                        _reset(held_tokens)
-                        held = held_tokens = None  # type: ignore[assignment]
-                    if held is None:
-                        if context:
-                            # The last handler set variables of its own. They
-                            # must not reach this attempt, which starts in a
-                            # fresh context once this step has ended.
-                            task.context = _EMPTY_CONTEXT.copy()
-                            await trio.lowlevel.cancel_shielded_checkpoint()
-                            context = task.context
-                            now = offset + timer()
-                        if captured:
-                            held_tokens = [var.set(value) for var, value in captured.items()]
-                            held = captured
-                    if not self._may_start or task._cancel_status.effectively_cancelled:
-                        # A stop without drain, a crash or a cancellation came
-                        # between taking this request and starting it.
-                        self._may_start = False
-                        self._in_flight -= 1
-                        self._cancel(ticket, offset + timer())
-                        break
-                    ticket.status = _RUNNING
-                    ticket.attempts += 1
-                    # Read afresh: a hook or another thread may have enqueued
-                    # this request after the last reading.
-                    ticket.started_at = now = offset + timer()
-                    self._started += 1
-                    if self._debug:
-                        _run_in(
-                            context,
-                            logger.debug,
-                            "processing request #%d (attempt %d)",
-                            ticket.id,
-                            ticket.attempts,
-                        )
-                    try:
-                        awaitable = handler(ticket.request)
-                        if type(awaitable) is not _Coroutine:
-                            awaitable = _steps_of(awaitable)
-                        if timeout is None:
-                            result = await awaitable
-                        else:
-                            with trio.move_on_at(now + timeout) as scope:
-                                result = await awaitable
-                            if scope.cancelled_caught:
-                                # Raised here so that a timeout is one more failure.
-                                raise TimeoutError(  # noqa: TRY301
-                                    f"attempt timed out after {timeout:g} seconds"
-                                )
-                    except Exception as exc:
-                        now = offset + timer()
-                        self._attempt_failed(ticket, exc, now, context)
-                    except BaseException as exc:
-                        # Cancelled, KeyboardInterrupt and the like: record the
-                        # request's final state and let the exception go on.
-                        self._abort(ticket, exc)
-                        raise
-                    else:
-                        now = offset + timer()
-                        self._in_flight -= 1
-                        self._succeeded += 1
-                        state = ticket._state  # a waiter may have wrapped it meanwhile
-                        ticket._state = (now, result)
-                        ticket.status = _SUCCEEDED
-                        if type(state) is Waiting:
-                            self._wake(state)
-                        result = None
-                    # The request is final: keep nothing of it while choosing the
-                    # next. (What it left in this task's context is looked at
-                    # when the next attempt starts, or before parking.)
-                    state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
-                    chained += 1
-                    if chained == _CHAIN_BUDGET:
-                        # Handlers that never yield must not starve other tasks.
-                        chained = 0
-                        await trio.lowlevel.cancel_shielded_checkpoint()
-                        now = offset + timer()
-                    if not self._may_start or self._in_flight >= self._capacity:
-                        break
-                    if heap and heap[0][0] <= now:
-                        following = self._take(now)
-                        assert following is not None
-                        ticket = following
-                        following = None
-                    elif queue:
-                        # The common case of _take, inlined: calling _take (and
-                        # _finish above) here cost about 2% of burst throughput.
-                        lock.acquire()
-                        try:
-                            length = len(queue)
-                            if length > self._peak:
-                                self._peak = length
-                            ticket = queue.popleft()
-                        finally:
-                            lock.release()
-                        self._in_flight += 1
-                        if self._debug:
-                            self._log_dequeued(ticket)
-                    else:
-                        break
-            finally:
-                # A parked processor keeps no request's context alive.
-                if held is not None:
-                    _reset(held_tokens)
-                    held = held_tokens = None  # type: ignore[assignment]
-                if task.context:
-                    task.context = _EMPTY_CONTEXT.copy()
-                # A completion that frees a slot tickles the loop.
-                self._limiter.release_on_behalf_of(slot)
-                self._tickle()
-                if self._debug:
-                    # Not a line for any one request: no request's context.
-                    _run_in(
-                        _EMPTY_CONTEXT,
-                        logger.debug,
-                        "slot freed: now %d/%d slots in use",
-                        self._in_flight,
-                        self._capacity,
-                    )
-            handed = await self._park()
-            if handed is None:
-                return
-            ticket, slot = handed
-            handed = None
+        # What current_service() and current_ticket() find for this task and
+        # the tasks its handlers spawn.
+        attempt = _ATTEMPTS[task] = _Attempt(self)
+        try:
+            # The enqueuer's context whose variables this task's context holds
+            # now, with the variables and values set and the tokens to undo them.
+            held: contextvars.Context | None = None
+            held_tokens: list[contextvars.Token[Any]] = []
             now = offset + timer()
             chained = 0
+            while True:  # one slot after another
+                try:
+                    while True:
+                        state = ticket._state
+                        captured = state if type(state) is _Context else state.context
+                        context = task.context  # the context this step runs in
+                        if held is not None and (
+                            captured is not held or not _holds(context, captured)
+                        ):
+                            # Another enqueuer's request, or the last handler
+                            # changed its enqueuer's variables: undo them.
+                            _reset(held_tokens)
+                            held = held_tokens = None  # type: ignore[assignment]
+                        if held is None:
+                            if context:
+                                # The last handler set variables of its own. They
+                                # must not reach this attempt, which starts in a
+                                # fresh context once this step has ended.
+                                task.context = _EMPTY_CONTEXT.copy()
+                                await trio.lowlevel.cancel_shielded_checkpoint()
+                                context = task.context
+                                now = offset + timer()
+                            if captured:
+                                held_tokens = [var.set(value) for var, value in captured.items()]
+                                held = captured
+                        if not self._may_start or task._cancel_status.effectively_cancelled:
+                            # A stop without drain, a crash or a cancellation came
+                            # between taking this request and starting it.
+                            self._may_start = False
+                            self._in_flight -= 1
+                            self._cancel(ticket, offset + timer())
+                            break
+                        ticket.status = _RUNNING
+                        attempt.ticket = ticket
+                        ticket.attempts += 1
+                        # Read afresh: a hook or another thread may have enqueued
+                        # this request after the last reading.
+                        ticket.started_at = now = offset + timer()
+                        self._started += 1
+                        if self._debug:
+                            _run_in(
+                                context,
+                                logger.debug,
+                                "processing request #%d (attempt %d)",
+                                ticket.id,
+                                ticket.attempts,
+                            )
+                        try:
+                            awaitable = handler(ticket.request)
+                            if type(awaitable) is not _Coroutine:
+                                awaitable = _steps_of(awaitable)
+                            if timeout is None:
+                                result = await awaitable
+                            else:
+                                with trio.move_on_at(now + timeout) as scope:
+                                    result = await awaitable
+                                if scope.cancelled_caught:
+                                    # Raised here so that a timeout is one more failure.
+                                    raise TimeoutError(  # noqa: TRY301
+                                        f"attempt timed out after {timeout:g} seconds"
+                                    )
+                        except Exception as exc:
+                            now = offset + timer()
+                            self._attempt_failed(ticket, exc, now, context)
+                        except BaseException as exc:
+                            # Cancelled, KeyboardInterrupt and the like: record the
+                            # request's final state and let the exception go on.
+                            self._abort(ticket, exc)
+                            raise
+                        else:
+                            now = offset + timer()
+                            self._in_flight -= 1
+                            self._succeeded += 1
+                            if self._key_of:
+                                self._release_key(ticket)
+                            state = ticket._state  # a waiter may have wrapped it meanwhile
+                            ticket._state = (now, result)
+                            ticket.status = _SUCCEEDED
+                            if type(state) is Waiting:
+                                self._wake(state)
+                            result = None
+                        # The request is final: keep nothing of it while choosing the
+                        # next. (What it left in this task's context is looked at
+                        # when the next attempt starts, or before parking.)
+                        state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
+                        chained += 1
+                        if chained == _CHAIN_BUDGET:
+                            # Handlers that never yield must not starve other tasks.
+                            chained = 0
+                            await trio.lowlevel.cancel_shielded_checkpoint()
+                            now = offset + timer()
+                        if not self._may_start or self._in_flight >= self._capacity:
+                            break
+                        if heap and heap[0][0] <= now:
+                            following = self._take(now)
+                            assert following is not None
+                            ticket = following
+                            following = None
+                        elif queue:
+                            # The common case of _take, inlined: calling _take (and
+                            # _finish above) here cost about 2% of burst throughput.
+                            lock.acquire()
+                            try:
+                                length = len(queue)
+                                if length > self._peak:
+                                    self._peak = length
+                                ticket = queue.popleft()
+                            finally:
+                                lock.release()
+                            if self._submitters:
+                                self._room.unpark()
+                            self._in_flight += 1
+                            if self._debug:
+                                self._log_dequeued(ticket)
+                        else:
+                            break
+                finally:
+                    # A parked processor keeps no request (or context) alive.
+                    attempt.ticket = None
+                    if held is not None:
+                        _reset(held_tokens)
+                        held = held_tokens = None  # type: ignore[assignment]
+                    if task.context:
+                        task.context = _EMPTY_CONTEXT.copy()
+                    # A completion that frees a slot tickles the loop.
+                    self._limiter.release_on_behalf_of(slot)
+                    self._tickle()
+                    if self._debug:
+                        # Not a line for any one request: no request's context.
+                        _run_in(
+                            _EMPTY_CONTEXT,
+                            logger.debug,
+                            "slot freed: now %d/%d slots in use",
+                            self._in_flight,
+                            self._capacity,
+                        )
+                handed = await self._park()
+                if handed is None:
+                    return
+                ticket, slot = handed
+                handed = None
+                now = offset + timer()
+                chained = 0
+        finally:
+            del _ATTEMPTS[task]
 
     def _log_dequeued(self, ticket: Ticket[RequestT, ResultT]) -> None:
         state = ticket._state
@@ -911,11 +1108,25 @@ class Service(Generic[RequestT, ResultT]):
         self, ticket: Ticket[RequestT, ResultT], status: Status, final: tuple[Any, ...]
     ) -> None:
         """Make ``ticket`` final: ``final`` is its state, starting with finished_at."""
+        if self._key_of:
+            self._release_key(ticket)
         state = ticket._state
         ticket._state = final
         ticket.status = status
         if type(state) is Waiting:
             self._wake(state)
+
+    @trio.lowlevel.enable_ki_protection
+    def _release_key(self, ticket: Ticket[RequestT, ResultT]) -> None:
+        """Free the key of a request about to become final, if it has one.
+
+        Freed before the request is marked final: an enqueue that finds the
+        key still taken gets a ticket that was live when it looked.
+        """
+        with self._lock:
+            key = self._key_of.pop(ticket, _MISSING)
+            if key is not _MISSING:
+                del self._keys[key]
 
     @trio.lowlevel.enable_ki_protection
     def _attempt_failed(
@@ -1028,25 +1239,33 @@ class Service(Generic[RequestT, ResultT]):
 
     @trio.lowlevel.enable_ki_protection
     def _cancel_waiting(self, now: float | None) -> None:
-        """Cancel every request that is queued or waiting for a retry."""
+        """Cancel every request that is queued, scheduled or waiting for a retry."""
         with self._lock:
             waiting = list(self._queue)
             self._peak = max(self._peak, len(waiting))
             self._queue.clear()
             self._last_context = None
+            waiting.extend(ticket for _, ticket in self._incoming)
+            self._scheduled -= len(self._incoming)
+            self._incoming.clear()
+            self._set_admit()
         for ticket in waiting:
             self._cancel(ticket, now)
         heap = self._heap
         while heap:
             ticket = heapq.heappop(heap)[2]
-            self._retrying -= 1
+            if ticket.status is _SCHEDULED:
+                self._unschedule()
+            else:
+                self._retrying -= 1
             self._cancel(ticket, now)
 
     def _close(self) -> None:
-        """Refuse every enqueue from now on."""
+        """Refuse every enqueue from now on; submit() callers waiting for room get ServiceClosed."""
         with self._lock:
             self._closed = True
             self._admit = 0
+        self._room.unpark_all()
 
     @trio.lowlevel.enable_ki_protection
     def _wind_down(self, now: float | None) -> None:
@@ -1071,7 +1290,8 @@ class Service(Generic[RequestT, ResultT]):
         once they return.
         """
         if self._in_flight <= len(self._insiders) and (
-            (not self._queue and not self._heap) or self._in_flight >= self._capacity
+            (not self._queue and not self._heap and not self._incoming)
+            or self._in_flight >= self._capacity
         ):
             self._quiet.set()
 
@@ -1103,7 +1323,7 @@ class Service(Generic[RequestT, ResultT]):
         return token
 
     def _is_idle(self) -> bool:
-        return not self._queue and not self._heap and self._in_flight == 0
+        return not self._queue and not self._heap and not self._incoming and self._in_flight == 0
 
     async def join(self) -> None:
         """Wait until nothing is queued, retrying or in flight; close nothing.
@@ -1129,6 +1349,45 @@ class Service(Generic[RequestT, ResultT]):
                 self._tickle()
             await event.wait()
         await trio.lowlevel.checkpoint()
+
+    async def submit(
+        self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
+    ) -> Ticket[RequestT, ResultT]:
+        """Like :meth:`enqueue_request`, but wait for room when the queue is full.
+
+        As Trio's ``send`` is to ``send_nowait``. Always a checkpoint. If it
+        is cancelled while it waits, nothing was enqueued; if it returns, the
+        request was enqueued even when a cancellation arrived meanwhile (the
+        caller's next checkpoint raises it). Waiters get room in turn as
+        processors take requests out of the queue. From an OS thread, call
+        ``trio.from_thread.run(service.submit, request)``.
+
+        Raises:
+            QueueFull: the queue is full and the caller is one of the
+                service's own handlers (or a task it spawned): it raises at
+                once rather than wait, because every slot could end up
+                waiting for room that only a slot can make.
+            ServiceClosed: the service is closed, or closes while it waits.
+            RuntimeError: called from a different Trio run than the service's.
+        """
+        token = self._check_run("submitted to")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                ticket = self._enqueue_keyed(request, key, delay, waits=True)
+            except QueueFull:
+                if token is not None and self._insider() is not None:
+                    with self._lock:
+                        self._rejected += 1
+                    raise
+                self._submitters += 1
+                try:
+                    await self._room.park()
+                finally:
+                    self._submitters -= 1
+                continue
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return ticket
 
     async def stop(
         self, *, drain: bool = True, timeout: float | None = None
@@ -1195,6 +1454,63 @@ class Service(Generic[RequestT, ResultT]):
         if self._finished.is_set():
             return list(self._stopped_tickets)  # sorted once, when the run ended
         return sorted(self._stopped_tickets, key=_by_id)
+
+
+class _Attempt:
+    """A processor's service and the request it is running, for current_ticket()."""
+
+    __slots__ = ("service", "ticket")
+
+    def __init__(self, service: Service[Any, Any]) -> None:
+        self.service = service
+        self.ticket: Ticket[Any, Any] | None = None
+
+
+# Every running processor's task, in every Trio run of the process. A
+# processor writes its running request to its entry as it starts each
+# attempt: one attribute store, where a context variable set per attempt
+# would allocate.
+_ATTEMPTS: dict[trio.lowlevel.Task, _Attempt] = {}
+
+
+def _current_attempt(what: str) -> _Attempt:
+    """The attempt the calling task belongs to: its processor's, or its nearest ancestor's."""
+    try:
+        task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
+    except RuntimeError:
+        task = None
+    while task is not None:
+        attempt = _ATTEMPTS.get(task)
+        if attempt is not None and attempt.ticket is not None:
+            return attempt
+        nursery = task.parent_nursery
+        task = nursery.parent_task if nursery is not None else None
+    raise RuntimeError(f"{what}() called outside a tickler handler")
+
+
+def current_service() -> Service[Any, Any]:
+    """The service running the calling handler.
+
+    Works in the handler, in everything it calls, and in the tasks it spawns
+    into its own nurseries (which end before the handler returns); from a
+    thread the handler started with ``trio.to_thread.run_sync``, call
+    ``trio.from_thread.run_sync(tickler.current_service)``.
+
+    Raises:
+        RuntimeError: called outside a tickler handler.
+    """
+    return _current_attempt("current_service").service
+
+
+def current_ticket() -> Ticket[Any, Any]:
+    """The ticket of the request whose handler is calling; see :func:`current_service`.
+
+    Raises:
+        RuntimeError: called outside a tickler handler.
+    """
+    ticket = _current_attempt("current_ticket").ticket
+    assert ticket is not None
+    return ticket
 
 
 class _Slot:

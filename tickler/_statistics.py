@@ -9,12 +9,15 @@ import attrs
 class ServiceStatistics:
     """A consistent snapshot of a service's counters.
 
-    At every moment ``enqueued == queued + in_flight + retrying + succeeded +
-    failed + cancelled``.
+    At every moment ``enqueued == queued + scheduled + in_flight + retrying +
+    succeeded + failed + cancelled``.
     """
 
     queued: int
     """Requests waiting in the queue."""
+    scheduled: int
+    """Requests enqueued with a delay that have not started yet; they hold no slot, but
+    count against ``max_queue_length``."""
     in_flight: int
     """Attempts running now; each holds one capacity slot."""
     retrying: int
@@ -24,7 +27,8 @@ class ServiceStatistics:
     max_queue_length: int | None
     """The cap on queued requests, or ``None`` for no cap."""
     enqueued: int
-    """Requests ever accepted by ``enqueue_request``."""
+    """Requests ever accepted by ``enqueue_request`` or ``submit``; a deduplicated
+    call accepts none."""
     started: int
     """Attempts ever started, retries included."""
     succeeded: int
@@ -35,6 +39,8 @@ class ServiceStatistics:
     """Requests cancelled by a stop or by cancellation of the run."""
     retried: int
     """Retries ever scheduled."""
+    deduplicated: int
+    """Enqueues that found a live request with the same key, and created nothing."""
     rejected: int
     """Calls to ``enqueue_request`` refused with ``QueueFull`` or ``ServiceClosed``."""
     wakeups: int

@@ -16,6 +16,7 @@ class Status(enum.Enum):
     """Where a request is in its life. The last three are final."""
 
     QUEUED = "queued"
+    SCHEDULED = "scheduled"
     RUNNING = "running"
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
@@ -68,7 +69,8 @@ def _wrong_run(ticket_id: int) -> RuntimeError:
 class Ticket(Generic[RequestT, ResultT]):
     """The receipt for one request handed to a :class:`tickler.Service`.
 
-    A ticket moves QUEUED -> RUNNING (-> RETRYING -> RUNNING ...) and ends in
+    A ticket moves QUEUED (or SCHEDULED, when enqueued with a delay) ->
+    RUNNING (-> RETRYING -> RUNNING ...) and ends in
     exactly one of SUCCEEDED, FAILED or CANCELLED. Times come from
     :func:`trio.current_time`.
     """
