@@ -16,9 +16,18 @@ import attrs
 import httpx
 import pytest
 import trio
+import trio.testing
 
+import tickler
 from examples.site_manager import Settings, serve
-from examples.site_manager.workflow import BOOTSTRAP_TABLES, Backend
+from examples.site_manager.store import Store
+from examples.site_manager.workflow import (
+    BOOTSTRAP_TABLES,
+    Backend,
+    Step,
+    Workflow,
+    enqueue_steps,
+)
 
 ROOT = Path(__file__).parent.parent
 FAST = {"latency": 0.002, "retry_initial": 0.005, "retry_maximum": 0.05}
@@ -325,3 +334,32 @@ async def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
         await wait_for(client, ids, "running")
     for site_id in ids:
         assert_provisioned(tmp_path, site_id)
+
+
+async def test_a_step_is_never_live_twice(tmp_path: Path) -> None:
+    """Steps are keyed by themselves: enqueued again while live, they run once."""
+    gate = trio.Event()
+
+    @attrs.define
+    class HeldBackend(Backend):
+        async def call(self) -> None:
+            await gate.wait()
+
+    store = Store(tmp_path / "status.sqlite3")
+    try:
+        async with tickler.open_service(Workflow(store, tmp_path, HeldBackend())) as service:
+            status = await store.create("Site", "a site", "site-1")
+            step = Step("metadata", status["id"])
+            enqueue_steps(service, [step, step])
+            await trio.testing.wait_all_tasks_blocked()
+            enqueue_steps(service, [step])
+            stats = service.statistics()
+            assert (stats.enqueued, stats.deduplicated) == (1, 2)
+            gate.set()
+            await service.join()
+        final = await store.get(status["id"])
+    finally:
+        store.close()
+    assert final is not None
+    assert final["state"] == "running"
+    assert final["attempts"]["metadata"] == 1

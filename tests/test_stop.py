@@ -165,6 +165,17 @@ async def test_later_stop_returns_the_same_cancelled_tickets(
     assert await service.stop(drain=True) is not first  # a fresh list each time
 
 
+async def test_stop_after_open_service_returns_its_tickets_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """open_service's own stop cancelled two requests; a later stop() returns them."""
+    async with tickler.open_service(sleeper, capacity=1, shutdown_timeout=1) as service:
+        tickets = [service.enqueue_request(3.0) for _ in range(2)]
+    assert [t.status for t in tickets] == [tickler.Status.CANCELLED] * 2
+    assert await service.stop() == tickets
+    assert await service.stop(drain=False, timeout=0) == tickets
+
+
 async def test_stop_before_run_cancels_the_queue() -> None:
     """Stopping a service that never ran cancels what waits; run is then refused."""
     service = tickler.Service(Recorder())

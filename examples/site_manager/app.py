@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Any
 
 import attrs
 import hypercorn.config
@@ -19,7 +18,7 @@ from starlette.routing import Route
 import tickler
 
 from .store import DomainTaken, Store
-from .workflow import Backend, BackendError, Step, Workflow, next_steps
+from .workflow import Backend, BackendError, Step, Workflow, enqueue_steps, next_steps
 
 MAX_NAME = 100
 DNS_LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
@@ -77,7 +76,7 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def make_app(store: Store, service: tickler.Service[Any, Any]) -> Starlette:
+def make_app(store: Store, service: tickler.Service[Step, None]) -> Starlette:
     """The ASGI app: POST/GET/DELETE /sites and GET /stats."""
 
     async def create_site(request: Request) -> Response:
@@ -94,7 +93,7 @@ def make_app(store: Store, service: tickler.Service[Any, Any]) -> Starlette:
         except DomainTaken:
             return error(409, f"domain {domain!r} is already taken")
         try:
-            service.enqueue_request(Step("metadata", status["id"]))
+            enqueue_steps(service, [Step("metadata", status["id"])])
         except (tickler.QueueFull, tickler.ServiceClosed):
             await store.forget(status["id"])
             return error(
@@ -116,7 +115,7 @@ def make_app(store: Store, service: tickler.Service[Any, Any]) -> Starlette:
             return error(404, f"no site with id {site_id}")
         if status["state"] == "deleting":
             try:
-                service.enqueue_request(Step("delete", site_id))
+                enqueue_steps(service, [Step("delete", site_id)])
             except (tickler.QueueFull, tickler.ServiceClosed):
                 # The site stays `deleting`; restart recovery or a repeated
                 # DELETE enqueues its delete again.
@@ -138,16 +137,11 @@ def make_app(store: Store, service: tickler.Service[Any, Any]) -> Starlette:
     )
 
 
-async def recover(store: Store, workflow: Workflow) -> int:
+async def recover(store: Store, service: tickler.Service[Step, None]) -> int:
     """Enqueue the next steps of every site left `creating` or `deleting`."""
     pending = [step for status in await store.unfinished() for step in next_steps(status)]
     for step in pending:
-        while True:
-            try:
-                workflow.enqueue([step])
-                break
-            except tickler.QueueFull:
-                await trio.sleep(0.05)  # recovery waits for room like any caller
+        await service.submit(step, key=step)  # waits for room like any caller
     return len(pending)
 
 
@@ -190,8 +184,7 @@ async def serve(
             name="site_manager",
             shutdown_timeout=settings.shutdown_timeout,
         ) as service:
-            workflow.service = service
-            await recover(store, workflow)
+            await recover(store, service)
             config = hypercorn.config.Config()
             config.bind = [f"{settings.host}:{settings.port}"]
             config.graceful_timeout = min(settings.shutdown_timeout, 5.0)

@@ -93,6 +93,18 @@ def next_steps(status: dict[str, Any]) -> list[Step]:
     return steps or [Step("finish", site_id)]
 
 
+def enqueue_steps(service: tickler.Service[Step, None], steps: Iterable[Step]) -> None:
+    """Enqueue steps, each keyed by itself.
+
+    A step that is already queued, scheduled, running or retrying is not
+    enqueued twice: "finish" follows both "fs" and "bootstrap", and a retried
+    step enqueues its followers again. A full queue raises QueueFull, which
+    the retry policy retries.
+    """
+    for step in steps:
+        service.enqueue_request(step, key=step)
+
+
 @attrs.define(eq=False)
 class Workflow:
     """The tickler handler: runs one step of one site's workflow."""
@@ -100,7 +112,6 @@ class Workflow:
     store: Store
     data: Path
     backend: Backend
-    service: tickler.Service[Any, Any] | None = None
     # Steps of one site run one at a time, so a delete never races a creation step.
     _locks: dict[int, trio.Lock] = attrs.field(factory=dict)
 
@@ -112,12 +123,6 @@ class Workflow:
 
     def metadata_file(self, site_id: int) -> Path:
         return self.data / "metadata" / f"{site_id}.json"
-
-    def enqueue(self, steps: Iterable[Step]) -> None:
-        """Enqueue steps; a full queue raises QueueFull, which the retry policy retries."""
-        assert self.service is not None
-        for step in steps:
-            self.service.enqueue_request(step)
 
     async def __call__(self, step: Step) -> None:
         lock = self._locks.setdefault(step.site_id, trio.Lock())
@@ -135,7 +140,9 @@ class Workflow:
                 return
             await self.store.count_attempt(step.site_id, step.name)
             await self._create(step.name, status)
-        self.enqueue(Step(name, step.site_id) for name in FOLLOWERS[step.name])
+        enqueue_steps(
+            tickler.current_service(), (Step(n, step.site_id) for n in FOLLOWERS[step.name])
+        )
 
     async def _create(self, step: str, status: dict[str, Any]) -> None:
         """Do one creation step unless its flag is set, then set the flag."""
