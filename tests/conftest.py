@@ -83,9 +83,9 @@ def enqueue_context(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         enqueue = tickler.Service.enqueue_request
 
         def enqueue_request(
-            self: tickler.Service[Any, Any], request: Any, **options: Any
+            self: tickler.Service[Any, Any], request: Any, *args: Any, **options: Any
         ) -> tickler.Ticket[Any, Any]:
-            call = functools.partial(enqueue, self, request, **options)
+            call = functools.partial(enqueue, self, request, *args, **options)
             return run_without_harness_variables(call)  # type: ignore[no-any-return]
 
         monkeypatch.setattr(tickler.Service, "enqueue_request", enqueue_request)
