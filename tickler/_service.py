@@ -235,6 +235,7 @@ class Service(Generic[RequestT, ResultT]):
     __slots__ = (
         "__weakref__",
         "_admit",
+        "_bound",
         "_cancelled",
         "_capacity",
         "_closed",
@@ -393,6 +394,8 @@ class Service(Generic[RequestT, ResultT]):
         self._offset = 0.0
         self._timer: Callable[[], float] | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+        # Before the run: the run that waited on the service (see _bind).
+        self._bound: trio.lowlevel.TrioToken | None = None
         self._thread: int | None = None
         self._nursery: trio.Nursery | None = None
         self._signal_tx: trio.MemorySendChannel[None] | None = None
@@ -630,31 +633,34 @@ class Service(Generic[RequestT, ResultT]):
                 if live is not None:
                     self._deduplicated += 1
                     if self._debug:
-                        logger.debug("request #%d already holds the key %r", live.id, key)
+                        logger.debug("request #%d already holds this key", live.id)
                     return live
             self._check_room(length, waits=waits)
+            if key is not None:
+                self._keys[key] = ticket  # first: the one step here that may raise
+                self._key_of[ticket] = key
             ticket.enqueued_at = self._time()
             self._last_id = ticket.id = self._last_id + 1
-            if key is not None:
-                self._keys[key] = ticket
-                self._key_of[ticket] = key
+            on_loop_thread = self._thread == _get_ident()
             if delay is None:
                 queue.append(ticket)
             else:
-                self._incoming.append((delay, ticket))
                 self._scheduled += 1
                 self._set_admit()
-            if self._thread == _get_ident():
+                if on_loop_thread and ticket.enqueued_at is not None:
+                    # Straight into the heap, where processors look before
+                    # the queue: due now, it goes before what is queued next.
+                    entry = (ticket.enqueued_at + delay, next(self._heap_seq), ticket)
+                    heapq.heappush(self._heap, entry)
+                else:
+                    # The heap is the loop thread's: other threads hand over.
+                    self._incoming.append((delay, ticket))
+            if on_loop_thread:
                 self._tickle()
             else:
                 self._wake_from_thread()
         if self._debug:
-            logger.debug(
-                "request #%d added%s%s",
-                ticket.id,
-                f" with key {key!r}" if key is not None else "",
-                f", due in {delay:g} seconds" if delay is not None else "",
-            )
+            logger.debug("request #%d added, key %r, delay %r", ticket.id, key, delay)
         return ticket
 
     def statistics(self) -> ServiceStatistics:
@@ -735,6 +741,11 @@ class Service(Generic[RequestT, ResultT]):
             raise ServiceClosed(f"service {self.name!r} was stopped before it ran")
         if self._token is not None:
             raise RuntimeError(f"service {self.name!r} has already run")
+        if self._bound is not None and self._bound is not trio.lowlevel.current_trio_token():
+            raise RuntimeError(
+                f"service {self.name!r} was waited on from another Trio run before it ran;"
+                " run it in that one"
+            )
         self._signal_tx, self._signal_rx = trio.open_memory_channel[None](1)
         clock = trio.lowlevel.current_clock()
         now = clock.current_time()
@@ -768,7 +779,7 @@ class Service(Generic[RequestT, ResultT]):
             while True:
                 if self._incoming:
                     self._schedule_incoming()
-                self._dispatch()
+                dispatched_at = self._dispatch()
                 if self._stop_called:
                     if self._is_idle():
                         self._release_idle()
@@ -783,10 +794,13 @@ class Service(Generic[RequestT, ResultT]):
                     if self._idle_event is not None and self._is_idle():
                         self._idle_event.set()
                         self._idle_event = None
-                # A retry already due is waiting for a slot, and a completion
-                # will tickle: only a retry due later needs the timer.
+                # What was due when _dispatch looked and did not start waits
+                # for a slot, and a completion will tickle: only what falls
+                # due after that instant needs the timer. (Compared with that
+                # very instant: a later reading would miss a request that
+                # fell due in between.)
                 wake_at = self._stop_deadline
-                if heap and self._may_start and heap[0][0] > offset + timer():
+                if heap and self._may_start and heap[0][0] > dispatched_at:
                     wake_at = min(wake_at, heap[0][0])
                 if wake_at < math.inf:
                     with trio.move_on_at(wake_at):
@@ -830,10 +844,10 @@ class Service(Generic[RequestT, ResultT]):
         assert self._nursery is not None
         self._nursery.cancel_scope.cancel()
 
-    def _dispatch(self) -> None:
-        """Start a processor into every free slot, due retries first."""
+    def _dispatch(self) -> float:
+        """Start a processor into every free slot, due retries first; return the time used."""
         if not self._may_start:
-            return
+            return -math.inf
         limiter = self._limiter
         nursery = self._nursery
         assert nursery is not None
@@ -843,7 +857,7 @@ class Service(Generic[RequestT, ResultT]):
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
-                return
+                return now
             slot = _Slot(ticket.id)
             limiter.acquire_on_behalf_of_nowait(slot)
             if self._idle:
@@ -864,6 +878,7 @@ class Service(Generic[RequestT, ResultT]):
                 self._capacity,
                 len(self._queue),
             )
+        return now
 
     @trio.lowlevel.enable_ki_protection
     def _take(self, now: float) -> Ticket[RequestT, ResultT] | None:
@@ -1152,8 +1167,25 @@ class Service(Generic[RequestT, ResultT]):
         """
         with self._lock:
             key = self._key_of.pop(ticket, _MISSING)
-            if key is not _MISSING:
-                del self._keys[key]
+            if key is _MISSING:
+                return
+            try:
+                if self._keys.get(key) is ticket:
+                    del self._keys[key]
+                    return
+            except Exception:  # noqa: S110 - handled below, like a key that is not found
+                pass
+            # The key's hash or equality changed while its request was live:
+            # find its entry by identity instead.
+            try:
+                self._keys = {k: t for k, t in self._keys.items() if t is not ticket}
+            except Exception as exc:
+                logger.error(  # noqa: TRY400 - records keep text, not the exception
+                    "the key of request #%d could not be freed; its hash or equality"
+                    " changed while the request was live (%s)",
+                    ticket.id,
+                    _one_line(exc),
+                )
 
     @trio.lowlevel.enable_ki_protection
     def _attempt_failed(
@@ -1343,11 +1375,28 @@ class Service(Generic[RequestT, ResultT]):
             return False
 
     def _check_run(self, what: str) -> trio.lowlevel.TrioToken | None:
-        """The service's run's token, after checking the caller runs there too."""
+        """The service's run's token, after checking the caller runs there too.
+
+        Before the run, the run that first waited on the service stands in for it.
+        """
         token = self._token
-        if token is not None and token is not trio.lowlevel.current_trio_token():
+        run = token if token is not None else self._bound
+        if run is not None and run is not trio.lowlevel.current_trio_token():
             raise RuntimeError(f"service {self.name!r} must be {what} from the Trio run running it")
         return token
+
+    def _bind(self) -> None:
+        """Before the run, tie the service to the caller's run, which is about to wait on it.
+
+        What it waits on (the room for submit, the idle event for join) can
+        be woken only from its own run: the service must then run there.
+        """
+        if self._token is None and self._bound is None:
+            self._bound = trio.lowlevel.current_trio_token()
+
+    def _has_room(self) -> bool:
+        bound = self.max_queue_length
+        return not self._closed and (bound is None or len(self._queue) + self._scheduled < bound)
 
     def _is_idle(self) -> bool:
         return not self._queue and not self._heap and not self._incoming and self._in_flight == 0
@@ -1370,6 +1419,7 @@ class Service(Generic[RequestT, ResultT]):
                 f"join() called from a handler of service {self.name!r} would wait for itself"
             )
         while not (self._is_idle() or self._finished.is_set()):
+            self._bind()
             event = self._idle_event
             if event is None:
                 event = self._idle_event = trio.Event()
@@ -1407,12 +1457,17 @@ class Service(Generic[RequestT, ResultT]):
                     with self._lock:
                         self._rejected += 1
                     raise
+                self._bind()
                 self._submitters += 1
                 try:
                     await self._room.park()
                 finally:
                     self._submitters -= 1
                 continue
+            if self._submitters and self._has_room():
+                # This caller may have been woken for room it did not use (its
+                # key was live) or that is still there: pass the wake-up on.
+                self._room.unpark()
             await trio.lowlevel.cancel_shielded_checkpoint()
             return ticket
 
