@@ -6,10 +6,10 @@ from ._exceptions import QueueFull as QueueFull
 from ._exceptions import RequestCancelled as RequestCancelled
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import TicklerError as TicklerError
+from ._processors import current_service as current_service
+from ._processors import current_ticket as current_ticket
 from ._retry import Retry as Retry
 from ._service import Service as Service
-from ._service import current_service as current_service
-from ._service import current_ticket as current_ticket
 from ._service import open_service as open_service
 from ._statistics import ServiceStatistics as ServiceStatistics
 from ._ticket import Status as Status

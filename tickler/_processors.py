@@ -1,0 +1,521 @@
+"""The processors: tasks that run handlers in the limiter's slots, and what they record."""
+
+from __future__ import annotations
+
+import contextvars
+import heapq
+import inspect
+import logging
+import sys
+import types
+from collections.abc import Generator
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, cast
+
+import trio
+
+from ._core import (
+    _CANCELLED,
+    _EMPTY_CONTEXT,
+    _FAILED,
+    _MISSING,
+    _RETRYING,
+    _RUNNING,
+    _SUCCEEDED,
+    _Context,
+    _format_exception,
+    _one_line,
+    _run_in,
+    logger,
+)
+from ._queue import _QueueSide
+from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
+
+if TYPE_CHECKING:
+    from ._service import Service
+
+_Coroutine = types.CoroutineType
+
+# Processors check before every start whether their scope is cancelled. Trio's
+# public ways to ask (current_effective_deadline, checkpoint_if_cancelled)
+# cost up to a tenth of a request; the flag they read costs two attribute
+# loads. Refuse to import against a Trio that no longer has it, rather than
+# start requests in a cancelled run.
+if not hasattr(trio.lowlevel.Task, "_cancel_status"):  # pragma: no cover
+    raise ImportError("tickler needs trio.lowlevel.Task._cancel_status; check the trio version")
+# A processor that keeps its slot yields to the scheduler after this many
+# requests in a row, even if every handler returned without yielding.
+_CHAIN_BUDGET = 64
+
+
+@types.coroutine
+def _iterate(steps: Any) -> Generator[Any, Any, Any]:
+    """The iterator an awaitable's ``__await__`` returned, as a coroutine with send and throw."""
+    return (yield from steps)
+
+
+def _steps_of(awaitable: object) -> Any:
+    """Call ``__await__`` once and return its steps; refuse what is not awaitable."""
+    if (
+        inspect.isgenerator(awaitable)
+        and awaitable.gi_code.co_flags & inspect.CO_ITERABLE_COROUTINE
+    ):
+        return awaitable  # a @types.coroutine generator: awaitable as it is
+    await_ = getattr(type(awaitable), "__await__", None)
+    if await_ is None:
+        raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
+    return _iterate(await_(awaitable))
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio.Cancelled, or a group (a handler's nursery) holding only that."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
+
+
+def _holds(context: contextvars.Context, captured: contextvars.Context) -> bool:
+    """Whether the running ``context`` holds exactly ``captured``'s variables and objects.
+
+    Called in ``context``; compares by identity only, never with ``==``.
+    """
+    if len(context) != len(captured):
+        return False
+    for var, value in captured.items():  # noqa: SIM110 - all() would build a generator
+        if var.get(_MISSING) is not value:
+            return False
+    return True
+
+
+def _reset(tokens: list[contextvars.Token[Any]]) -> None:
+    """Undo the variables an attempt set, with the tokens their setting returned.
+
+    A function of its own so that no token (which refers to the context it
+    was made in) stays behind in the processor's frame.
+    """
+    for token in tokens:
+        token.var.reset(token)
+
+
+class _Processors(_QueueSide[RequestT, ResultT]):
+    """Start, run and record attempts; keep a slot while work waits; park when none does."""
+
+    __slots__ = ()
+
+    async def _process(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
+        """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
+
+        Keeping the slot saves a task spawn per request. With nothing left to
+        take, the processor gives its slot back and parks until the supervisor,
+        which owns every start into a free slot, hands it the next one.
+
+        The context of an attempt: Trio runs every step of a task inside
+        ``task.context``, read afresh at each step. An attempt sets its
+        enqueuer's variables there (the very objects) and the handler runs in
+        it like any code of the task. The next attempt for the same enqueuer's
+        context reuses them if they still hold the very same objects and
+        nothing else; otherwise the processor resets them with the tokens it
+        got, which also undoes the handler's writes to them. A handler that set
+        a variable of its own leaves the context non-empty after that: the
+        processor then takes a fresh empty context and yields once, so the next
+        attempt starts clean. Every request, with or without contextvars,
+        takes this one path.
+        """
+        timer = self._timer
+        assert timer is not None
+        offset = self._offset
+        handler = self._handler
+        timeout = self._timeout
+        heap = self._heap
+        queue = self._queue
+        lock = self._lock
+        task = trio.lowlevel.current_task()
+        # What current_service() and current_ticket() find for this task and
+        # the tasks its handlers spawn.
+        attempt = _ATTEMPTS[task] = _Attempt(self)
+        try:
+            # The enqueuer's context whose variables this task's context holds
+            # now, with the variables and values set and the tokens to undo them.
+            held: contextvars.Context | None = None
+            held_tokens: list[contextvars.Token[Any]] = []
+            now = offset + timer()
+            chained = 0
+            while True:  # one slot after another
+                try:
+                    while True:
+                        state = ticket._state
+                        captured = state if type(state) is _Context else state.context
+                        context = task.context  # the context this step runs in
+                        if held is not None and (
+                            captured is not held or not _holds(context, captured)
+                        ):
+                            # Another enqueuer's request, or the last handler
+                            # changed its enqueuer's variables: undo them.
+                            _reset(held_tokens)
+                            held = held_tokens = None  # type: ignore[assignment]
+                        if held is None:
+                            if context:
+                                # The last handler set variables of its own. They
+                                # must not reach this attempt, which starts in a
+                                # fresh context once this step has ended.
+                                task.context = _EMPTY_CONTEXT.copy()
+                                await trio.lowlevel.cancel_shielded_checkpoint()
+                                context = task.context
+                                now = offset + timer()
+                            if captured:
+                                held_tokens = [var.set(value) for var, value in captured.items()]
+                                held = captured
+                        if not self._may_start or task._cancel_status.effectively_cancelled:
+                            # A stop without drain, a crash or a cancellation came
+                            # between taking this request and starting it.
+                            self._may_start = False
+                            self._in_flight -= 1
+                            self._cancel(ticket, offset + timer())
+                            break
+                        ticket.status = _RUNNING
+                        attempt.ticket = ticket
+                        ticket.attempts += 1
+                        # Read afresh: a hook or another thread may have enqueued
+                        # this request after the last reading.
+                        ticket.started_at = now = offset + timer()
+                        self._started += 1
+                        if self._debug:
+                            _run_in(
+                                context,
+                                logger.debug,
+                                "processing request #%d (attempt %d)",
+                                ticket.id,
+                                ticket.attempts,
+                            )
+                        try:
+                            awaitable = handler(ticket.request)
+                            if type(awaitable) is not _Coroutine:
+                                awaitable = _steps_of(awaitable)
+                            if timeout is None:
+                                result = await awaitable
+                            else:
+                                with trio.move_on_at(now + timeout) as scope:
+                                    result = await awaitable
+                                if scope.cancelled_caught:
+                                    # Raised here so that a timeout is one more failure.
+                                    raise TimeoutError(  # noqa: TRY301
+                                        f"attempt timed out after {timeout:g} seconds"
+                                    )
+                        except Exception as exc:
+                            now = offset + timer()
+                            self._attempt_failed(ticket, exc, now, context)
+                        except BaseException as exc:
+                            # Cancelled, KeyboardInterrupt and the like: record the
+                            # request's final state and let the exception go on.
+                            self._abort(ticket, exc)
+                            raise
+                        else:
+                            now = offset + timer()
+                            self._in_flight -= 1
+                            self._succeeded += 1
+                            if self._key_of:
+                                self._release_key(ticket)
+                            state = ticket._state  # a waiter may have wrapped it meanwhile
+                            ticket._state = (now, result)
+                            ticket.status = _SUCCEEDED
+                            if type(state) is Waiting:
+                                self._wake(state)
+                            result = None
+                        # The request is final: keep nothing of it while choosing the
+                        # next. (What it left in this task's context is looked at
+                        # when the next attempt starts, or before parking.)
+                        state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
+                        chained += 1
+                        if chained == _CHAIN_BUDGET:
+                            # Handlers that never yield must not starve other tasks.
+                            chained = 0
+                            await trio.lowlevel.cancel_shielded_checkpoint()
+                            now = offset + timer()
+                        if not self._may_start or self._in_flight >= self._capacity:
+                            break
+                        if heap and heap[0][0] <= now:
+                            following = self._take(now)
+                            assert following is not None
+                            ticket = following
+                            following = None
+                        elif queue:
+                            # The common case of _take, inlined: calling _take (and
+                            # _finish above) here cost about 2% of burst throughput.
+                            lock.acquire()
+                            try:
+                                length = len(queue)
+                                if length > self._peak:
+                                    self._peak = length
+                                ticket = queue.popleft()
+                            finally:
+                                lock.release()
+                            if self._submitters:
+                                self._room.unpark()
+                            self._in_flight += 1
+                            if self._debug:
+                                self._log_dequeued(ticket)
+                        else:
+                            break
+                finally:
+                    # A parked processor keeps no request (or context) alive.
+                    attempt.ticket = None
+                    if held is not None:
+                        _reset(held_tokens)
+                        held = held_tokens = None  # type: ignore[assignment]
+                    if task.context:
+                        task.context = _EMPTY_CONTEXT.copy()
+                    # A completion that frees a slot tickles the loop.
+                    self._limiter.release_on_behalf_of(slot)
+                    self._tickle()
+                    if self._debug:
+                        # Not a line for any one request: no request's context.
+                        _run_in(
+                            _EMPTY_CONTEXT,
+                            logger.debug,
+                            "slot freed: now %d/%d slots in use",
+                            self._in_flight,
+                            self._capacity,
+                        )
+                handed = await self._park()
+                if handed is None:
+                    return
+                ticket, slot = handed
+                handed = None
+                now = offset + timer()
+                chained = 0
+        finally:
+            del _ATTEMPTS[task]
+
+    async def _park(self) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
+        """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
+
+        At most `capacity` processors wait; the others exit at once.
+        """
+        idle = self._idle
+        if not self._may_start or self._stop_called or len(idle) >= self._capacity:
+            return None
+        parked = _Parked(trio.lowlevel.current_task())
+        idle.append(parked)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            idle.remove(parked)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return parked.handed
+
+    @trio.lowlevel.enable_ki_protection
+    def _wake(self, waiting: Waiting | None) -> None:
+        """Wake the waiters of a ticket that just became final."""
+        # Before the service ran, only a stop finishes tickets, in its caller's run.
+        token = self._token or trio.lowlevel.current_trio_token()
+        while waiting is not None:
+            if waiting.token is token:
+                waiting.event.set()
+            else:
+                # Waiters in another Trio run: wake them there, where wait()
+                # raises its error. Setting their event from here would break
+                # this run.
+                waiting.foreign = True
+                with suppress(trio.RunFinishedError):
+                    waiting.token.run_sync_soon(waiting.event.set)
+            waiting = waiting.following
+
+    @trio.lowlevel.enable_ki_protection
+    def _finish(
+        self, ticket: Ticket[RequestT, ResultT], status: Status, final: tuple[Any, ...]
+    ) -> None:
+        """Make ``ticket`` final: ``final`` is its state, starting with finished_at."""
+        if self._key_of:
+            self._release_key(ticket)
+        state = ticket._state
+        ticket._state = final
+        ticket.status = status
+        if type(state) is Waiting:
+            self._wake(state)
+
+    @trio.lowlevel.enable_ki_protection
+    def _attempt_failed(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        exc: Exception,
+        now: float,
+        context: contextvars.Context,
+    ) -> None:
+        self._in_flight -= 1
+        # Drop the processor's own frame from the traceback: it refers to the
+        # ticket, and the ticket will refer to the exception.
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_frame is sys._getframe(1):
+            exc.__traceback__ = tb = tb.tb_next
+        retry = self._retry
+        attempt = ticket.attempts
+        if retry is not None and retry.should_retry(attempt, exc):
+            if not self._may_start:
+                self._cancel(ticket, now)
+                return
+            delay = retry.delay(attempt)
+            ticket.status = _RETRYING
+            self._retrying += 1
+            self._retried += 1
+            heap = self._heap
+            heapq.heappush(heap, (now + delay, next(self._heap_seq), ticket))
+            if heap[0][2] is ticket:
+                self._tickle()  # the loop must now wake earlier
+            # A retried failure is routine: INFO with the error in one line,
+            # the traceback at DEBUG. Only the final failure is an ERROR.
+            if logger.isEnabledFor(logging.INFO):
+                _run_in(
+                    context,
+                    logger.info,
+                    "request #%d attempt %d failed (%s), retrying in %.3f seconds",
+                    ticket.id,
+                    attempt,
+                    _one_line(exc),
+                    delay,
+                )
+                if logger.isEnabledFor(logging.DEBUG):
+                    _run_in(
+                        context,
+                        logger.debug,
+                        "request #%d attempt %d failed\n%s",
+                        ticket.id,
+                        attempt,
+                        _format_exception(exc),
+                    )
+            return
+        self._fail(ticket, exc, tb, now)
+        del tb
+        try:
+            outcome = _run_in(context, self._on_error, ticket, exc)
+            if inspect.isawaitable(outcome):
+                # A plain function that returned an awaitable: it will never
+                # be awaited, so say so rather than drop it silently.
+                if isinstance(outcome, _Coroutine):
+                    outcome.close()
+                raise TypeError(  # noqa: TRY301
+                    "on_error returned an awaitable; it must be a plain function"
+                )
+        except Exception as hook_exc:
+            if logger.isEnabledFor(logging.ERROR):
+                _run_in(
+                    context,
+                    logger.error,
+                    "on_error hook raised for request #%d\n%s",
+                    ticket.id,
+                    _format_exception(hook_exc),
+                )
+
+    @trio.lowlevel.enable_ki_protection
+    def _abort(self, ticket: Ticket[RequestT, ResultT], exc: BaseException) -> None:
+        self._in_flight -= 1
+        now = self._time()
+        if _is_cancellation(exc):
+            self._cancel(ticket, now)
+        else:
+            # A KeyboardInterrupt or the like ends the run: start nothing more.
+            self._may_start = self._draining = False
+            self._fail(ticket, exc, exc.__traceback__, now)
+
+    @trio.lowlevel.enable_ki_protection
+    def _fail(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        exc: BaseException,
+        tb: types.TracebackType | None,
+        now: float | None,
+    ) -> None:
+        # A failed ticket keeps the original traceback beside the exception:
+        # result() raises it with that traceback every time.
+        self._finish(ticket, _FAILED, (now, exc, tb, exc.__context__))
+        self._failed += 1
+
+    @trio.lowlevel.enable_ki_protection
+    def _cancel(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
+        self._finish(ticket, _CANCELLED, (now, None))
+        self._cancelled += 1
+        self._stopped_tickets.append(ticket)
+
+
+class _Attempt:
+    """A processor's service and the request it is running, for current_ticket()."""
+
+    __slots__ = ("service", "ticket")
+
+    def __init__(self, service: _QueueSide[Any, Any]) -> None:
+        self.service = service  # a Service: the layers exist only as its bases
+        self.ticket: Ticket[Any, Any] | None = None
+
+
+# Every running processor's task, in every Trio run of the process. A
+# processor writes its running request to its entry as it starts each
+# attempt: one attribute store, where a context variable set per attempt
+# would allocate.
+_ATTEMPTS: dict[trio.lowlevel.Task, _Attempt] = {}
+
+
+def _current_attempt(what: str) -> _Attempt:
+    """The attempt the calling task belongs to: its processor's, or its nearest ancestor's."""
+    try:
+        task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
+    except RuntimeError:
+        task = None
+    while task is not None:
+        attempt = _ATTEMPTS.get(task)
+        if attempt is not None and attempt.ticket is not None:
+            return attempt
+        nursery = task.parent_nursery
+        task = nursery.parent_task if nursery is not None else None
+    raise RuntimeError(f"{what}() called outside a tickler handler")
+
+
+def current_service() -> Service[Any, Any]:
+    """The service running the calling handler.
+
+    Works in the handler, in everything it calls, and in the tasks it spawns
+    into its own nurseries (which end before the handler returns); from a
+    thread the handler started with ``trio.to_thread.run_sync``, call
+    ``trio.from_thread.run_sync(tickler.current_service)``.
+
+    Raises:
+        RuntimeError: called outside a tickler handler.
+    """
+    return cast("Service[Any, Any]", _current_attempt("current_service").service)
+
+
+def current_ticket() -> Ticket[Any, Any]:
+    """The ticket of the request whose handler is calling; see :func:`current_service`.
+
+    Raises:
+        RuntimeError: called outside a tickler handler.
+    """
+    ticket = _current_attempt("current_ticket").ticket
+    assert ticket is not None
+    return ticket
+
+
+class _Slot:
+    """The limiter's borrower for one processor start.
+
+    One token per start, named for the request it was started for: the
+    limiter's statistics show which starts hold slots, and the token keeps no
+    request alive. The processor releases on behalf of the same token.
+    """
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"<tickler slot started for request #{self.request_id}>"
+
+
+class _Parked:
+    """A processor waiting for a start, and the start once the loop hands it over."""
+
+    __slots__ = ("handed", "task")
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.handed: tuple[Ticket[Any, Any], _Slot] | None = None
