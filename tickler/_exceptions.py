@@ -17,3 +17,7 @@ class ServiceClosed(TicklerError):
 
 class RequestCancelled(TicklerError):
     """The request was cancelled before it could complete."""
+
+
+class StoreError(TicklerError):
+    """A store cannot be used: not a database, a foreign schema, a file that cannot be opened."""

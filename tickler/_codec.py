@@ -1,0 +1,60 @@
+"""How a store turns requests and results into bytes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """Anything with ``encode(obj) -> bytes`` and ``decode(bytes) -> obj``."""
+
+    def encode(self, obj: Any) -> bytes: ...
+
+    def decode(self, data: bytes) -> Any: ...
+
+
+class JsonCodec:
+    """JSON, as UTF-8: the default codec of a service with a store.
+
+    Tuples come back as lists, as JSON has no tuple. ``encode`` raises
+    TypeError naming the type of what it cannot encode.
+    """
+
+    __slots__ = ()
+
+    def encode(self, obj: Any) -> bytes:
+        try:
+            return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"JsonCodec cannot encode {type(obj).__name__}: {exc}") from None
+
+    def decode(self, data: bytes) -> Any:
+        return json.loads(data)
+
+    def __repr__(self) -> str:
+        return "tickler.JsonCodec()"
+
+
+def check_codec(codec: object) -> Codec:
+    if not callable(getattr(codec, "encode", None)) or not callable(getattr(codec, "decode", None)):
+        raise TypeError("codec must have encode(obj) -> bytes and decode(bytes) -> obj methods")
+    return codec  # type: ignore[return-value]
+
+
+def encode_key(key: object) -> str:
+    """A key as the store keeps it: canonical JSON of a str, an int, or a tuple of them."""
+
+    def check(part: object) -> None:
+        if isinstance(part, tuple):
+            for item in part:
+                check(item)
+        elif isinstance(part, bool) or not isinstance(part, str | int):
+            raise TypeError(
+                "key must be a str, an int or a tuple of them for a service with a store,"
+                f" not {type(part).__name__}"
+            )
+
+    check(key)
+    return json.dumps(key, separators=(",", ":"))

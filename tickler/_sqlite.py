@@ -1,0 +1,493 @@
+"""SqliteStore: the queue's source of truth in one SQLite file, for every process on the host.
+
+Everything here is synchronous and runs on a worker thread the service owns,
+one batch per wake-up of its loop, each batch one transaction.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ._codec import Codec, JsonCodec, encode_key
+from ._exceptions import StoreError
+
+SCHEMA_VERSION = 1
+
+# Live states hold their key; ready states may be claimed once run_at has come.
+LIVE = ("queued", "scheduled", "running", "retrying")
+FINAL = ("succeeded", "failed", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE tickler_schema (version INTEGER NOT NULL);
+CREATE TABLE tickler_requests (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
+    key TEXT,
+    state TEXT NOT NULL,
+    request BLOB NOT NULL,
+    result BLOB,
+    error_type TEXT,
+    error_message TEXT,
+    error_traceback TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    run_at REAL NOT NULL,
+    enqueued_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    owner TEXT,
+    lease_until REAL,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+);
+CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
+    WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
+CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
+    WHERE state IN ('queued', 'scheduled', 'retrying');
+CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
+    WHERE state = 'running';
+CREATE INDEX tickler_finished ON tickler_requests (finished_at)
+    WHERE state IN ('succeeded', 'failed', 'cancelled');
+"""
+
+_INSERT = """
+INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)
+VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT (queue, key)
+    WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying')
+    DO NOTHING
+RETURNING id
+"""
+
+_LIVE_ID_OF_KEY = """
+SELECT id FROM tickler_requests
+WHERE queue = ? AND key = ? AND state IN ('queued', 'scheduled', 'running', 'retrying')
+"""
+
+_CLAIM = """
+UPDATE tickler_requests
+SET state = 'running', owner = :owner, lease_until = :lease_until,
+    attempts = attempts + 1, started_at = :now
+WHERE id IN (
+    SELECT id FROM (
+        SELECT id, run_at AS due FROM tickler_requests
+        WHERE queue = :queue AND state IN ('queued', 'scheduled', 'retrying')
+            AND run_at <= :now
+        UNION ALL
+        SELECT id, lease_until AS due FROM tickler_requests
+        WHERE queue = :queue AND state = 'running' AND lease_until < :now
+    )
+    ORDER BY due, id LIMIT :limit
+)
+RETURNING id, request, attempts, key, enqueued_at, run_at
+"""
+
+_NEXT_DUE = """
+SELECT min(run_at) FROM tickler_requests
+WHERE queue = ? AND state IN ('queued', 'scheduled', 'retrying')
+"""
+
+_MINE = """
+SELECT id, cancel_requested FROM tickler_requests
+WHERE queue = ? AND state = 'running' AND owner = ?
+"""
+
+_RENEW = """
+UPDATE tickler_requests SET lease_until = ?
+WHERE queue = ? AND state = 'running' AND owner = ?
+"""
+
+_SUCCEEDED = """
+UPDATE tickler_requests
+SET state = 'succeeded', result = ?, finished_at = ?, owner = NULL, lease_until = NULL
+WHERE id = ? AND owner = ? AND state = 'running'
+"""
+
+_RETRYING = """
+UPDATE tickler_requests
+SET state = 'retrying', run_at = ?, error_type = ?, error_message = ?, error_traceback = ?,
+    owner = NULL, lease_until = NULL
+WHERE id = ? AND owner = ? AND state = 'running'
+"""
+
+_FAILED = """
+UPDATE tickler_requests
+SET state = 'failed', finished_at = ?, error_type = ?, error_message = ?, error_traceback = ?,
+    owner = NULL, lease_until = NULL
+WHERE id = ? AND owner = ? AND state = 'running'
+"""
+
+_CANCELLED = """
+UPDATE tickler_requests
+SET state = 'cancelled', finished_at = ?, owner = NULL, lease_until = NULL
+WHERE id = ? AND owner = ? AND state = 'running'
+"""
+
+_HANDED_BACK = """
+UPDATE tickler_requests
+SET state = 'queued', run_at = ?, owner = NULL, lease_until = NULL
+WHERE id = ? AND owner = ? AND state = 'running'
+"""
+
+_ROW = """
+SELECT id, key, state, request, result, error_type, error_message, error_traceback,
+    attempts, enqueued_at, started_at, finished_at
+FROM tickler_requests
+"""
+
+_PRUNE = """
+DELETE FROM tickler_requests WHERE id IN (
+    SELECT id FROM tickler_requests
+    WHERE state IN ('succeeded', 'failed', 'cancelled') AND finished_at < ?
+    LIMIT ?
+)
+"""
+
+PRUNE_BATCH = 1000
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds")
+    if not (value >= 0 if allow_zero else value > 0):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}")
+    if value == math.inf:
+        raise ValueError(f"{name} must be finite")
+    return float(value)
+
+
+@attrs.define(eq=False)
+class Row:
+    """A request as the store has it."""
+
+    id: int
+    key: str | None
+    state: str
+    request: bytes
+    result: bytes | None
+    error_type: str | None
+    error_message: str | None
+    error_traceback: str | None
+    attempts: int
+    enqueued_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+@attrs.define(eq=False)
+class Claimed:
+    id: int
+    request: bytes
+    attempts: int
+    key: str | None
+
+
+@attrs.define(eq=False)
+class Batch:
+    """What one wake-up of a loop writes and asks, in one transaction."""
+
+    inserts: list[tuple[str | None, str, bytes, float]] = attrs.Factory(list)
+    """(key, state, request, run_at) for each request enqueued since the last batch."""
+    outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
+    """(kind, id, values) for each attempt that ended: see Connection.run."""
+    claim: int = 0
+    """How many ready rows to claim."""
+    renew: bool = False
+    """Renew this process's leases, and report which it still holds."""
+    watched: Sequence[int] = ()
+    """Ids whose final state is asked for."""
+    prune: bool = False
+
+
+@attrs.define(eq=False)
+class BatchResult:
+    inserted: list[tuple[int, bool]] = attrs.Factory(list)
+    """For each insert: (id, whether it is new; False: its key was live)."""
+    applied: list[bool] = attrs.Factory(list)
+    """For each outcome: whether this process still held the lease."""
+    claimed: list[Claimed] = attrs.Factory(list)
+    next_due: float | None = None
+    mine: dict[int, bool] | None = None
+    """With renew: the running requests this process holds, and whether each is to be cancelled."""
+    finals: list[Row] = attrs.Factory(list)
+    pruned: int = 0
+
+
+class SqliteStore:
+    """A durable queue in one SQLite file; one file can hold many queues.
+
+    Args:
+        path: the database file, created if missing.
+        synchronous: ``"FULL"`` (a commit survives power loss) or
+            ``"NORMAL"`` (it survives a crash of the process, not of the
+            machine).
+        lease: seconds a claimed request stays leased; renewed every
+            ``lease / 3`` while it runs.
+        poll_interval: seconds between looks at the file for work enqueued
+            by other processes, cancels and outcomes waited for.
+        retention: seconds a final request is kept before it is deleted.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        synchronous: str = "FULL",
+        lease: float = 30.0,
+        poll_interval: float = 1.0,
+        retention: float = 86400.0,
+    ) -> None:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError("path must be a str or a path")
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError('synchronous must be "FULL" or "NORMAL"')
+        self.path = Path(path)
+        self.synchronous = synchronous
+        self.lease = _positive("lease", lease)
+        self.poll_interval = _positive("poll_interval", poll_interval)
+        self.retention = _positive("retention", retention, allow_zero=True)
+        # The codec of each queue's service in this process, for enqueue_in.
+        self._codecs: dict[str, Codec] = {}
+
+    def __repr__(self) -> str:
+        return f"tickler.SqliteStore({str(self.path)!r}, synchronous={self.synchronous!r})"
+
+    def connect(self) -> Connection:
+        """Open the file, creating or checking its schema. Blocking: call it on a thread."""
+        return Connection(self)
+
+    def enqueue_in(
+        self,
+        connection: sqlite3.Connection,
+        queue: str,
+        request: object,
+        *,
+        key: object = None,
+        delay: float | None = None,
+    ) -> int:
+        """Write a request through the caller's connection, inside its open transaction.
+
+        The request exists if and only if the caller commits. A service
+        running ``queue`` sees it within ``poll_interval``. The request is
+        encoded with the codec of the service that runs ``queue`` in this
+        process, else as JSON.
+
+        Returns:
+            The new request's id, or the live request's id if ``key`` is live.
+        """
+        if not isinstance(connection, sqlite3.Connection):
+            raise TypeError("connection must be a sqlite3.Connection")
+        if not isinstance(queue, str):
+            raise TypeError("queue must be a str")
+        key_text = encode_key(key) if key is not None else None
+        run_at = time.time()
+        state = "queued"
+        if delay is not None:
+            run_at += _positive("delay", delay, allow_zero=True)
+            state = "scheduled"
+        data = self._codecs.get(queue, _JSON).encode(request)
+        row = connection.execute(_INSERT, (queue, key_text, state, data, run_at, time.time()))
+        found = row.fetchone()
+        if found is not None:
+            return int(found[0])
+        return int(connection.execute(_LIVE_ID_OF_KEY, (queue, key_text)).fetchone()[0])
+
+
+_JSON = JsonCodec()
+
+
+class Connection:
+    """One service's connection to the file. Used by one thread at a time."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        path = store.path
+        if path.is_dir():
+            raise StoreError(f"{path} is a directory, not a SQLite database")
+        try:
+            db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=60)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open {path}: {exc}") from None
+        try:
+            self._check_schema(db, path)
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute(f"PRAGMA synchronous = {store.synchronous}")
+        except BaseException:
+            db.close()
+            raise
+        self.db = db
+
+    @staticmethod
+    def _check_schema(db: sqlite3.Connection, path: Path) -> None:
+        try:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{path} is not a SQLite database ({exc})") from None
+        if "tickler_schema" not in tables:
+            if tables - {"sqlite_sequence"}:
+                raise StoreError(
+                    f"{path} holds tables that are not tickler's; give tickler a file of its own"
+                )
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                # Another process may have created it meanwhile.
+                if db.execute(
+                    "SELECT 1 FROM sqlite_master WHERE name = 'tickler_schema'"
+                ).fetchone():
+                    db.execute("COMMIT")
+                else:
+                    for statement in _SCHEMA.split(";"):
+                        if statement.strip():
+                            db.execute(statement)
+                    db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
+                    db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        row = db.execute("SELECT version FROM tickler_schema").fetchone()
+        if row is None or row[0] != SCHEMA_VERSION:
+            raise StoreError(
+                f"{path} has tickler schema version {row and row[0]}; this tickler reads"
+                f" version {SCHEMA_VERSION}"
+            )
+
+    def close(self) -> None:
+        self.db.close()
+
+    def run(
+        self, queue: str, owner: str, lease: float, retention: float, batch: Batch
+    ) -> BatchResult:
+        """Write and ask everything in ``batch`` in one transaction.
+
+        Outcomes are ``("succeeded", id, (result, finished_at))``,
+        ``("retrying", id, (run_at, type, message, traceback))``,
+        ``("failed", id, (finished_at, type, message, traceback))``,
+        ``("cancelled", id, (finished_at,))`` and ``("handed_back", id, (run_at,))``;
+        each applies only while ``owner`` still holds the request's lease.
+        """
+        db = self.db
+        result = BatchResult()
+        now = time.time()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for key, state, data, run_at in batch.inserts:
+                found = db.execute(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
+                if found is not None:
+                    result.inserted.append((found[0], True))
+                else:
+                    live = db.execute(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
+                    result.inserted.append((live[0], False))
+            for kind, request_id, values in batch.outcomes:
+                sql = _OUTCOMES[kind]
+                changed = db.execute(sql, (*values, request_id, owner)).rowcount
+                result.applied.append(changed == 1)
+            if batch.renew:
+                db.execute(_RENEW, (now + lease, queue, owner))
+                result.mine = {
+                    row[0]: bool(row[1]) for row in db.execute(_MINE, (queue, owner))
+                }
+            if batch.claim:
+                rows = db.execute(
+                    _CLAIM,
+                    {
+                        "owner": owner,
+                        "lease_until": now + lease,
+                        "now": now,
+                        "queue": queue,
+                        "limit": batch.claim,
+                    },
+                ).fetchall()
+                rows.sort(key=lambda row: (row[5], row[0]))
+                result.claimed = [Claimed(row[0], row[1], row[2], row[3]) for row in rows]
+            result.next_due = db.execute(_NEXT_DUE, (queue,)).fetchone()[0]
+            if batch.watched:
+                result.finals = list(self._finals(batch.watched))
+            if batch.prune:
+                result.pruned = db.execute(_PRUNE, (now - retention, PRUNE_BATCH)).rowcount
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        return result
+
+    def _finals(self, ids: Sequence[int]) -> Iterable[Row]:
+        for start in range(0, len(ids), 500):
+            chunk = list(ids[start : start + 500])
+            marks = ",".join("?" * len(chunk))
+            sql = f"{_ROW} WHERE id IN ({marks}) AND state IN ('succeeded', 'failed', 'cancelled')"  # noqa: S608 - only placeholders
+            for row in self.db.execute(sql, chunk):
+                yield Row(*row)
+
+    def lookup(self, queue: str, id_or_key: object) -> Row | None:
+        if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+            found = self.db.execute(f"{_ROW} WHERE queue = ? AND id = ?", (queue, id_or_key))  # noqa: S608
+        else:
+            key = encode_key(id_or_key)
+            found = self.db.execute(
+                f"{_ROW} WHERE queue = ? AND key = ? ORDER BY state NOT IN"  # noqa: S608
+                " ('queued', 'scheduled', 'running', 'retrying'), id DESC LIMIT 1",
+                (queue, key),
+            )
+        row = found.fetchone()
+        return Row(*row) if row is not None else None
+
+    def cancel(self, queue: str, id_or_key: object) -> tuple[bool, int | None]:
+        """Cancel a live request: at once unless it runs, else ask its owner.
+
+        Returns whether a live request was found, and its id.
+        """
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+                where, args = "id = ?", (id_or_key,)
+            else:
+                where, args = "key = ?", (encode_key(id_or_key),)
+            row = db.execute(
+                f"SELECT id, state FROM tickler_requests WHERE queue = ? AND {where}"  # noqa: S608
+                " AND state IN ('queued', 'scheduled', 'running', 'retrying')",
+                (queue, *args),
+            ).fetchone()
+            if row is None:
+                db.execute("COMMIT")
+                return False, None
+            request_id, state = row
+            if state == "running":
+                db.execute(
+                    "UPDATE tickler_requests SET cancel_requested = 1 WHERE id = ?", (request_id,)
+                )
+            else:
+                db.execute(
+                    "UPDATE tickler_requests SET state = 'cancelled', finished_at = ?"
+                    " WHERE id = ?",
+                    (time.time(), request_id),
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        return True, request_id
+
+    def statistics(self, queue: str) -> dict[str, int]:
+        counts = dict.fromkeys((*LIVE, *FINAL), 0)
+        for state, count in self.db.execute(
+            "SELECT state, count(*) FROM tickler_requests WHERE queue = ? GROUP BY state", (queue,)
+        ):
+            counts[state] = count
+        return counts
+
+
+_OUTCOMES = {
+    "succeeded": _SUCCEEDED,
+    "retrying": _RETRYING,
+    "failed": _FAILED,
+    "cancelled": _CANCELLED,
+    "handed_back": _HANDED_BACK,
+}
