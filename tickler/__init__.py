@@ -2,27 +2,37 @@
 
 from importlib.metadata import version as _version
 
+from ._codec import Codec as Codec
+from ._codec import JsonCodec as JsonCodec
 from ._exceptions import QueueFull as QueueFull
 from ._exceptions import RequestCancelled as RequestCancelled
 from ._exceptions import ServiceClosed as ServiceClosed
+from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
 from ._processors import current_service as current_service
 from ._processors import current_ticket as current_ticket
 from ._retry import Retry as Retry
 from ._service import Service as Service
 from ._service import open_service as open_service
+from ._sqlite import SqliteStore as SqliteStore
 from ._statistics import ServiceStatistics as ServiceStatistics
+from ._store_loop import RequestFailed as RequestFailed
 from ._ticket import Status as Status
 from ._ticket import Ticket as Ticket
 
 __all__ = [
+    "Codec",
+    "JsonCodec",
     "QueueFull",
     "RequestCancelled",
+    "RequestFailed",
     "Retry",
     "Service",
     "ServiceClosed",
     "ServiceStatistics",
+    "SqliteStore",
     "Status",
+    "StoreError",
     "Ticket",
     "TicklerError",
     "current_service",

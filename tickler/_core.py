@@ -31,6 +31,7 @@ from ._ticket import RequestT, ResultT, Status, Ticket
 
 if TYPE_CHECKING:
     from ._processors import _Parked
+    from ._store_loop import StoreRun
 
 logger = logging.getLogger("tickler")
 
@@ -141,6 +142,7 @@ class _ServiceCore(Generic[RequestT, ResultT]):
         "_stop_called",
         "_stop_deadline",
         "_stopped_tickets",
+        "_store_run",
         "_submitters",
         "_succeeded",
         "_thread",
@@ -214,6 +216,8 @@ class _ServiceCore(Generic[RequestT, ResultT]):
     _wakeup_pending: bool
     _foreign_pending: bool
     _debug: bool
+    # with a store: the loop's side of it (None for the in-memory engine)
+    _store_run: StoreRun | None
 
     def _tickle(self) -> None:
         """Wake the supervisor loop. Trio thread only.

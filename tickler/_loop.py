@@ -5,15 +5,36 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import sqlite3
 import time
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import trio
 
-from ._core import _EMPTY_CONTEXT, _SCHEDULED, _check_timeout, _get_ident, logger
+from ._core import (
+    _CANCELLED,
+    _EMPTY_CONTEXT,
+    _QUEUED,
+    _RETRYING,
+    _RUNNING,
+    _SCHEDULED,
+    _SUCCEEDED,
+    _check_timeout,
+    _get_ident,
+    _one_line,
+    logger,
+)
+from ._core import (
+    _EMPTY_CONTEXT as _EMPTY,
+)
 from ._exceptions import ServiceClosed
 from ._processors import _Processors, _Slot
-from ._ticket import RequestT, ResultT, Ticket
+from ._sqlite import BatchResult
+from ._store_loop import Outcome, Pending, StoreRun, wall_clock
+from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
+
+_T = TypeVar("_T")
 
 
 def _offset_of(clock: trio.abc.Clock) -> float:
@@ -56,6 +77,11 @@ class _Loop(_Processors[RequestT, ResultT]):
                 f"service {self.name!r} was waited on from another Trio run before it ran;"
                 " run it in that one"
             )
+        stored = self._store_run
+        if stored is not None:
+            # Open and check the store before anything starts: a bad file
+            # raises StoreError from here, with nothing written.
+            stored.connection = await trio.to_thread.run_sync(stored.store.connect)
         self._signal_tx, self._signal_rx = trio.open_memory_channel[None](1)
         clock = trio.lowlevel.current_clock()
         now = clock.current_time()
@@ -69,13 +95,228 @@ class _Loop(_Processors[RequestT, ResultT]):
                 ticket.enqueued_at = now
             for _, ticket in self._incoming:
                 ticket.enqueued_at = now
+            if stored is not None:
+                for pending in stored.pending:
+                    pending[0].enqueued_at = now
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
-                await self._supervise()
+                if stored is None:
+                    await self._supervise()
+                else:
+                    await self._supervise_store(stored)
         finally:
+            if stored is not None:
+                # Whatever ended the run, commit what was accepted and hand
+                # back what was claimed: a stop never loses a request.
+                self._close()
+                self._may_start = False
+                self._cancel_waiting(self._time())
+                await self._final_flush(stored)
             self._wind_down(self._time())
+
+    async def _supervise_store(self, stored: StoreRun) -> None:
+        """The loop with a store: one batch per wake-up, then dispatch, then sleep.
+
+        It wakes when tickled (an enqueue, an attempt that ended), when its
+        next look at the store is due (lease renewals, cancels, work from
+        other processes, outcomes waited for), when the next row falls due,
+        or at the stop's deadline.
+        """
+        assert self._signal_rx is not None
+        receive = self._signal_rx.receive
+        queue = self._queue
+        try:
+            while True:
+                free = self._capacity - self._in_flight - len(queue)
+                claim = free if self._may_start and not self._stop_called and free > 0 else 0
+                batch, pending, outcomes = stored.build(self._lock, claim, wall_clock())
+                if batch.inserts or batch.outcomes or batch.claim or batch.renew:
+                    try:
+                        result = await stored.run_batch(self.name, batch)
+                    except (sqlite3.Error, OSError) as exc:
+                        # Nothing accepted is dropped: it goes into the next try.
+                        stored.put_back(self._lock, pending, outcomes)
+                        stored.failures += 1
+                        delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
+                        logger.error(
+                            "service %r: writing to the store failed (%s); try %d in %.2f s",
+                            self.name,
+                            _one_line(exc),
+                            stored.failures + 1,
+                            delay,
+                        )
+                        await trio.sleep(delay)
+                        continue
+                    stored.failures = 0
+                    self._apply_batch(stored, result, pending, outcomes)
+                self._dispatch()
+                if self._stop_called:
+                    if not stored.has_work() and not queue and self._in_flight == 0:
+                        self._release_idle()
+                        return
+                    now = self._time()
+                    assert now is not None
+                    if now >= self._stop_deadline:
+                        self._expire()
+                    elif self._insiders:
+                        self._check_quiet()
+                if self._idle_event is not None and self._is_idle():
+                    self._idle_event.set()
+                    self._idle_event = None
+                # The store's times are the wall clock's; sleep on Trio's.
+                now = self._time()
+                assert now is not None
+                to_trio = now - wall_clock()
+                wake_at = min(self._stop_deadline, stored.next_check + to_trio)
+                room = self._capacity - self._in_flight - len(queue)
+                if stored.next_due is not None and room > 0 and self._may_start:
+                    wake_at = min(wake_at, stored.next_due + to_trio)
+                with trio.move_on_at(wake_at):
+                    await receive()
+                    self._wakeup_pending = False
+                self._wakeups += 1
+                self._debug = logger.isEnabledFor(logging.DEBUG)
+        except BaseException:
+            self._may_start = self._draining = False
+            raise
+
+    def _apply_batch(
+        self,
+        stored: StoreRun,
+        result: BatchResult,
+        pending: list[Pending],
+        outcomes: list[Outcome],
+    ) -> None:
+        """A batch committed: give ids, finish tickets, take what was claimed."""
+        now = self._time()
+        for entry, (request_id, new) in zip(pending, result.inserted, strict=True):
+            ticket = entry[0]
+            ticket.id = request_id
+            if new:
+                stored.tickets[request_id] = ticket
+            else:
+                # The key was live: this ticket follows that request.
+                self._deduplicated += 1
+                stored.watched.setdefault(request_id, []).append(ticket)
+        if pending:
+            stored.committed.set()
+            stored.committed = trio.Event()
+            if self._submitters:
+                self._room.unpark_all()
+        for (kind, ticket, _, local), applied in zip(outcomes, result.applied, strict=True):
+            request_id = ticket.id
+            if not applied:
+                if kind != "handed_back":
+                    # The lease had gone: another process runs the request.
+                    stored.tickets.pop(request_id, None)
+                    stored.watched.setdefault(request_id, []).append(ticket)
+                    ticket.status = _QUEUED
+                continue
+            if kind == "retrying":
+                ticket.status = _RETRYING
+                self._retried += 1
+                continue
+            if kind == "handed_back":
+                ticket.status = _QUEUED
+                continue
+            stored.tickets.pop(request_id, None)
+            if kind == "succeeded":
+                self._succeeded += 1
+                self._finish(ticket, _SUCCEEDED, (now, local))
+            elif kind == "cancelled":
+                self._cancelled += 1
+                self._finish(ticket, _CANCELLED, (now, None))
+            else:
+                exc, tb, context = local
+                self._fail(ticket, exc, tb, now)
+                self._call_on_error(ticket, exc, context)
+            # Tickets of this process that follow the same request (a live key).
+            for follower in stored.watched.pop(request_id, ()):
+                self._finish(follower, ticket.status, ticket._state)
+        if result.mine is not None:
+            self._check_leases(stored, result.mine)
+        for claimed in result.claimed:
+            known = stored.tickets.get(claimed.id)
+            if known is None:
+                try:
+                    request = stored.codec.decode(claimed.request)
+                except Exception as exc:
+                    known = Ticket(None, claimed.id, _RUNNING, claimed.attempts, now, now, _EMPTY)
+                    why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
+                    self._record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
+                    continue
+                known = Ticket(
+                    request, claimed.id, _QUEUED, claimed.attempts - 1, now, None, _EMPTY
+                )
+                stored.tickets[claimed.id] = known
+            else:
+                known.status = _QUEUED
+                known.attempts = claimed.attempts - 1
+            ticket = known
+            with self._lock:
+                queue_length = len(self._queue)
+                self._queue.append(ticket)
+                self._peak = max(self._peak, queue_length + 1)
+        for row in result.finals:
+            for ticket in stored.watched.pop(row.id, ()):
+                status, _, final = stored.decode_row(row)
+                self._finish(ticket, status, final)
+        stored.next_due = result.next_due
+        stored.live = result.live
+
+    def _check_leases(self, stored: StoreRun, mine: dict[int, bool]) -> None:
+        """Take away attempts whose lease is gone or whose request was cancelled."""
+        for request_id in list(stored.scopes):
+            if request_id not in mine:
+                stored.withdraw(request_id, "lost")
+            elif mine[request_id]:
+                stored.withdraw(request_id, "cancelled")
+        # Claimed but not started yet.
+        with self._lock:
+            waiting = list(self._queue)
+            keep = [t for t in waiting if t.id in mine and not mine[t.id]]
+            if len(keep) != len(waiting):
+                self._queue.clear()
+                self._queue.extend(keep)
+        for ticket in waiting:
+            if ticket.id not in mine:
+                stored.tickets.pop(ticket.id, None)
+                stored.watched.setdefault(ticket.id, []).append(ticket)
+            elif mine[ticket.id]:
+                self._record("cancelled", ticket, (wall_clock(),))
+
+    async def _final_flush(self, stored: StoreRun) -> None:
+        """Commit what was accepted and write what ended, shielded; then close the store."""
+        with trio.CancelScope(shield=True):
+            for attempt in range(20):
+                batch, pending, outcomes = stored.build(self._lock, 0, wall_clock())
+                batch.renew, batch.watched, batch.prune = False, (), False
+                if not batch.inserts and not batch.outcomes:
+                    break
+                try:
+                    result = await stored.run_batch(self.name, batch)
+                except (sqlite3.Error, OSError) as exc:
+                    stored.put_back(self._lock, pending, outcomes)
+                    logger.error(
+                        "service %r: writing to the store at the stop failed (%s)",
+                        self.name,
+                        _one_line(exc),
+                    )
+                    await trio.sleep(min(0.05 * 2**attempt, 2.0))
+                    continue
+                self._apply_batch(stored, result, pending, outcomes)
+            else:
+                logger.error(
+                    "service %r: %d accepted requests could not be committed",
+                    self.name,
+                    len(stored.pending),
+                )
+            stored.committed.set()
+            connection, stored.connection = stored.connection, None
+            if connection is not None:
+                await trio.to_thread.run_sync(connection.close, limiter=stored.limiter)
 
     async def _supervise(self) -> None:
         """The loop: dispatch, then sleep until tickled, a retry is due or the stop's deadline."""
@@ -236,7 +477,78 @@ class _Loop(_Processors[RequestT, ResultT]):
             self._quiet.set()
 
     def _is_idle(self) -> bool:
+        stored = self._store_run
+        if stored is not None:
+            # With a store: nothing waits here, and at the last batch nothing
+            # of the queue was live in the store, in any process.
+            return (
+                not stored.has_work()
+                and not self._queue
+                and self._in_flight == 0
+                and stored.live == 0
+                and not stored.watched
+                and not stored.committing
+            )
         return not self._queue and not self._heap and not self._incoming and self._in_flight == 0
+
+    async def cancel(self, id_or_key: int | Hashable) -> bool:
+        """Cancel a live request of a service with a store, wherever it runs.
+
+        A queued, scheduled or retrying request becomes CANCELLED at once; a
+        running one has its handler cancelled in the process that runs it
+        (within the store's ``poll_interval``), ends CANCELLED and is never
+        retried.
+
+        Returns:
+            Whether a live request with that id or key was found.
+        """
+        stored = self._require_store("cancel")
+        found, request_id = await self._in_store(stored.connection_for("cancel").cancel, id_or_key)
+        if found:
+            assert request_id is not None
+            # Running here: no need to wait for the next look at the store.
+            stored.withdraw(request_id, "cancelled")
+            stored.next_check = 0.0
+            self._tickle()
+        return found
+
+    async def lookup(self, id_or_key: int | Hashable) -> Ticket[Any, Any] | None:
+        """The request's state as the store has it, from any process; None if unknown.
+
+        The ticket's times are the store's (seconds since the epoch); a
+        failure's error is a :class:`tickler.RequestFailed` holding its type,
+        message and traceback as text. For a key, the live request, else the
+        latest one.
+        """
+        stored = self._require_store("lookup")
+        row = await self._in_store(stored.connection_for("lookup").lookup, id_or_key)
+        if row is None:
+            return None
+        status = Status(row.state)
+        request = stored.codec.decode(row.request)
+        ticket: Ticket[Any, Any] = Ticket(
+            request, row.id, status, row.attempts, row.enqueued_at, row.started_at, None
+        )
+        if status in FINAL:
+            ticket._state = stored.decode_row(row)[2]
+        return ticket
+
+    async def store_statistics(self) -> dict[str, int]:
+        """Exact counts of this service's queue in the store, by status, over every process."""
+        stored = self._require_store("store_statistics")
+        return await self._in_store(stored.connection_for("store_statistics").statistics)
+
+    def _require_store(self, what: str) -> StoreRun:
+        stored = self._store_run
+        if stored is None:
+            raise RuntimeError(f"{what}() needs a service with a store")
+        self._check_run("used")
+        return stored
+
+    async def _in_store(self, fn: Callable[..., _T], *args: Any) -> _T:
+        stored = self._store_run
+        assert stored is not None
+        return await trio.to_thread.run_sync(fn, self.name, *args, limiter=stored.limiter)
 
     async def join(self) -> None:
         """Wait until nothing is queued, retrying or in flight; close nothing.

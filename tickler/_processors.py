@@ -6,6 +6,7 @@ import contextvars
 import heapq
 import inspect
 import logging
+import math
 import sys
 import types
 from collections.abc import Generator
@@ -29,6 +30,7 @@ from ._core import (
     logger,
 )
 from ._queue import _QueueSide
+from ._store_loop import Withdrawn, wall_clock
 from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
 if TYPE_CHECKING:
@@ -130,6 +132,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         queue = self._queue
         lock = self._lock
         task = trio.lowlevel.current_task()
+        stored = self._store_run  # None for the in-memory engine
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
         attempt = _ATTEMPTS[task] = _Attempt(self)
@@ -191,12 +194,25 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             awaitable = handler(ticket.request)
                             if type(awaitable) is not _Coroutine:
                                 awaitable = _steps_of(awaitable)
-                            if timeout is None:
+                            if timeout is None and stored is None:
                                 result = await awaitable
                             else:
-                                with trio.move_on_at(now + timeout) as scope:
-                                    result = await awaitable
+                                scope = trio.CancelScope(
+                                    deadline=now + timeout if timeout is not None else math.inf
+                                )
+                                if stored is not None:
+                                    # The loop may take the attempt away (a
+                                    # cancel, a lost lease, a stop).
+                                    stored.scopes[ticket.id] = scope
+                                try:
+                                    with scope:
+                                        result = await awaitable
+                                finally:
+                                    if stored is not None:
+                                        del stored.scopes[ticket.id]
                                 if scope.cancelled_caught:
+                                    if stored is not None and ticket.id in stored.reasons:
+                                        raise Withdrawn(stored.reasons.pop(ticket.id))  # noqa: TRY301
                                     # Raised here so that a timeout is one more failure.
                                     raise TimeoutError(  # noqa: TRY301
                                         f"attempt timed out after {timeout:g} seconds"
@@ -212,14 +228,17 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                         else:
                             now = offset + timer()
                             self._in_flight -= 1
-                            self._succeeded += 1
-                            if self._key_of:
-                                self._release_key(ticket)
-                            state = ticket._state  # a waiter may have wrapped it meanwhile
-                            ticket._state = (now, result)
-                            ticket.status = _SUCCEEDED
-                            if type(state) is Waiting:
-                                self._wake(state)
+                            if stored is None:
+                                self._succeeded += 1
+                                if self._key_of:
+                                    self._release_key(ticket)
+                                state = ticket._state  # a waiter may have wrapped it meanwhile
+                                ticket._state = (now, result)
+                                ticket.status = _SUCCEEDED
+                                if type(state) is Waiting:
+                                    self._wake(state)
+                            else:
+                                self._record_success(ticket, result, context)
                             result = None
                         # The request is final: keep nothing of it while choosing the
                         # next. (What it left in this task's context is looked at
@@ -348,6 +367,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         tb = exc.__traceback__
         if tb is not None and tb.tb_frame is sys._getframe(1):
             exc.__traceback__ = tb = tb.tb_next
+        if self._store_run is not None:
+            self._record_failure(ticket, exc, tb, context)
+            return
         retry = self._retry
         attempt = ticket.attempts
         if retry is not None and retry.should_retry(attempt, exc):
@@ -362,30 +384,45 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             heapq.heappush(heap, (now + delay, next(self._heap_seq), ticket))
             if heap[0][2] is ticket:
                 self._tickle()  # the loop must now wake earlier
-            # A retried failure is routine: INFO with the error in one line,
-            # the traceback at DEBUG. Only the final failure is an ERROR.
-            if logger.isEnabledFor(logging.INFO):
-                _run_in(
-                    context,
-                    logger.info,
-                    "request #%d attempt %d failed (%s), retrying in %.3f seconds",
-                    ticket.id,
-                    attempt,
-                    _one_line(exc),
-                    delay,
-                )
-                if logger.isEnabledFor(logging.DEBUG):
-                    _run_in(
-                        context,
-                        logger.debug,
-                        "request #%d attempt %d failed\n%s",
-                        ticket.id,
-                        attempt,
-                        _format_exception(exc),
-                    )
+            self._log_retry(ticket, exc, delay, context)
             return
         self._fail(ticket, exc, tb, now)
         del tb
+        self._call_on_error(ticket, exc, context)
+
+    def _log_retry(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        exc: Exception,
+        delay: float,
+        context: contextvars.Context,
+    ) -> None:
+        # A retried failure is routine: INFO with the error in one line,
+        # the traceback at DEBUG. Only the final failure is an ERROR.
+        if logger.isEnabledFor(logging.INFO):
+            attempt = ticket.attempts
+            _run_in(
+                context,
+                logger.info,
+                "request #%d attempt %d failed (%s), retrying in %.3f seconds",
+                ticket.id,
+                attempt,
+                _one_line(exc),
+                delay,
+            )
+            if logger.isEnabledFor(logging.DEBUG):
+                _run_in(
+                    context,
+                    logger.debug,
+                    "request #%d attempt %d failed\n%s",
+                    ticket.id,
+                    attempt,
+                    _format_exception(exc),
+                )
+
+    def _call_on_error(
+        self, ticket: Ticket[RequestT, ResultT], exc: Exception, context: contextvars.Context
+    ) -> None:
         try:
             outcome = _run_in(context, self._on_error, ticket, exc)
             if inspect.isawaitable(outcome):
@@ -406,10 +443,81 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                     _format_exception(hook_exc),
                 )
 
+    # -- with a store: record what ended; the loop writes it and then finishes tickets
+
+    def _record(
+        self,
+        kind: str,
+        ticket: Ticket[RequestT, ResultT],
+        values: tuple[Any, ...],
+        local: Any = None,
+    ) -> None:
+        run = self._store_run
+        assert run is not None
+        run.outcomes.append((kind, ticket, values, local))
+        if kind == "handed_back":
+            self._stopped_tickets.append(ticket)
+        self._tickle()
+
+    def _record_success(
+        self, ticket: Ticket[RequestT, ResultT], result: Any, context: contextvars.Context
+    ) -> None:
+        run = self._store_run
+        assert run is not None
+        try:
+            data = run.codec.encode(result)
+            if not isinstance(data, bytes):
+                kind = type(data).__name__
+                raise TypeError(f"codec.encode must return bytes, not {kind}")  # noqa: TRY301
+        except Exception as exc:
+            error = TypeError(
+                f"the codec cannot encode the result, a {type(result).__name__}: {exc}"
+            )
+            self._record_failure(ticket, error, None, context)
+            return
+        self._record("succeeded", ticket, (data, wall_clock()), result)
+
+    def _record_failure(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        exc: Exception,
+        tb: types.TracebackType | None,
+        context: contextvars.Context,
+    ) -> None:
+        run = self._store_run
+        assert run is not None
+        if isinstance(exc, Withdrawn):
+            if exc.reason == "lost":
+                # Another process holds the request now: wait for its outcome.
+                run.tickets.pop(ticket.id, None)
+                run.watched.setdefault(ticket.id, []).append(ticket)
+                ticket.status = Status.QUEUED
+                return
+            kind = "cancelled" if exc.reason == "cancelled" else "handed_back"
+            self._record(kind, ticket, (wall_clock(),))
+            return
+        text = (type(exc).__name__, str(exc), _format_exception(exc))
+        retry = self._retry
+        if retry is not None and retry.should_retry(ticket.attempts, exc):
+            if not self._may_start:
+                self._record("handed_back", ticket, (wall_clock(),))
+                return
+            delay = retry.delay(ticket.attempts)
+            self._record("retrying", ticket, (wall_clock() + delay, *text))
+            self._log_retry(ticket, exc, delay, context)
+            return
+        self._record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
+
     @trio.lowlevel.enable_ki_protection
     def _abort(self, ticket: Ticket[RequestT, ResultT], exc: BaseException) -> None:
         self._in_flight -= 1
         now = self._time()
+        if self._store_run is not None:
+            # With a store a stop never ends a request: it goes back to the store.
+            if not _is_cancellation(exc):
+                self._may_start = self._draining = False
+            self._record("handed_back", ticket, (wall_clock(),))
+            return
         if _is_cancellation(exc):
             self._cancel(ticket, now)
         else:
@@ -432,6 +540,10 @@ class _Processors(_QueueSide[RequestT, ResultT]):
 
     @trio.lowlevel.enable_ki_protection
     def _cancel(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
+        if self._store_run is not None:
+            # Claimed but not started: back to the store, to run later.
+            self._record("handed_back", ticket, (wall_clock(),))
+            return
         self._finish(ticket, _CANCELLED, (now, None))
         self._cancelled += 1
         self._stopped_tickets.append(ticket)

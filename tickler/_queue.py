@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ._codec import encode_key
 from ._core import (
     _EMPTY_CONTEXT,
     _MISSING,
@@ -26,6 +27,7 @@ from ._core import (
     logger,
 )
 from ._exceptions import QueueFull, ServiceClosed
+from ._store_loop import wall_clock
 from ._ticket import RequestT, ResultT, Ticket
 
 _copy_context = contextvars.copy_context
@@ -148,6 +150,14 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             queue = self._queue
             length = len(queue)
             if length >= self._admit:
+                if self._store_run is not None:
+                    # A service with a store: _admit is always 0, so that the
+                    # in-memory hot path pays nothing for the store's path.
+                    lock.release()
+                    try:
+                        return self._enqueue_stored(request, None, None, ticket)
+                    finally:
+                        lock.acquire()
                 # Refused, unless it is a follow-up from one of the service's
                 # own handlers during a drain, with room in the queue. Only
                 # this slow path asks which.
@@ -221,7 +231,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
     def _set_admit(self) -> None:
         """Recompute the hot path's bound. Called with the lock held."""
         bound = self.max_queue_length
-        if self._closed:
+        if self._closed or self._store_run is not None:
             self._admit = 0
         elif bound is not None:
             self._admit = bound - self._scheduled
@@ -237,6 +247,8 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
         waits: bool = False,
     ) -> Ticket[RequestT, ResultT]:
         """enqueue_request with a key or a delay, and for submit (which ``waits``)."""
+        if self._store_run is not None:
+            return self._enqueue_stored(request, key, delay, None, waits=waits)
         if key is not None:
             _check_key(key)
         if delay is not None:
@@ -286,9 +298,69 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             logger.debug("request #%d added, key %r, delay %r", ticket.id, key, delay)
         return ticket
 
+    def _enqueue_stored(
+        self,
+        request: RequestT,
+        key: Hashable | None,
+        delay: float | None,
+        ticket: Ticket[RequestT, ResultT] | None,
+        *,
+        waits: bool = False,
+    ) -> Ticket[RequestT, ResultT]:
+        """enqueue_request for a service with a store: encode now, commit at the next batch.
+
+        The request waits in the store run's pending list, bounded by
+        ``max_queue_length``; its ticket's id is 0 until the batch commits it.
+        """
+        run = self._store_run
+        assert run is not None
+        key_text = encode_key(key) if key is not None else None
+        if delay is not None:
+            delay = _check_delay(delay)
+        try:
+            data = run.codec.encode(request)
+        except TypeError:
+            raise
+        except Exception as exc:
+            raise TypeError(f"the codec cannot encode {type(request).__name__}: {exc}") from exc
+        if not isinstance(data, bytes):
+            raise TypeError(f"codec.encode must return bytes, not {type(data).__name__}")
+        status = _QUEUED if delay is None else _SCHEDULED
+        if ticket is None:
+            context = self._capture_context()
+            ticket = Ticket(request, 0, status, 0, None, None, context)
+        else:
+            ticket.status = status
+        run_at = wall_clock() + (delay or 0.0)
+        with self._lock:
+            if self._closed and not (self._draining and self._is_follow_up()):
+                self._rejected += 1
+                self._last_context = None
+                raise ServiceClosed(f"service {self.name!r} is closed")
+            bound = self.max_queue_length
+            if bound is not None and len(run.pending) >= bound:
+                if not waits:
+                    self._rejected += 1
+                self._last_context = None
+                raise QueueFull(
+                    f"service {self.name!r} already has {len(run.pending)} requests"
+                    " waiting to be committed"
+                )
+            ticket.enqueued_at = self._time()
+            ticket.id = 0
+            self._last_id += 1
+            run.pending.append((ticket, key_text, status.value, data, run_at))
+            if self._thread == _get_ident():
+                self._tickle()
+            else:
+                self._wake_from_thread()
+        return ticket
+
     def _has_room(self) -> bool:
         bound = self.max_queue_length
-        return not self._closed and (bound is None or len(self._queue) + self._scheduled < bound)
+        run = self._store_run
+        waiting = len(run.pending) if run is not None else len(self._queue) + self._scheduled
+        return not self._closed and (bound is None or waiting < bound)
 
     async def submit(
         self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
@@ -331,6 +403,15 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
                 # This caller may have been woken for room it did not use (its
                 # key was live) or that is still there: pass the wake-up on.
                 self._room.unpark()
+            run = self._store_run
+            if run is not None:
+                # Returns once the batch holding the request has committed.
+                while ticket.id == 0 and not self._finished.is_set():
+                    await run.committed.wait()
+                if ticket.id == 0:
+                    raise ServiceClosed(
+                        f"service {self.name!r} ended before the request was committed"
+                    )
             await trio.lowlevel.cancel_shielded_checkpoint()
             return ticket
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from ._codec import Codec, JsonCodec, check_codec
 from ._core import (
     _UNBOUNDED,
     ErrorHook,
@@ -27,7 +28,9 @@ from ._core import (
 from ._loop import _Loop
 from ._processors import _Parked
 from ._retry import Retry
+from ._sqlite import SqliteStore
 from ._statistics import ServiceStatistics
+from ._store_loop import StoreRun
 from ._ticket import RequestT, ResultT, Ticket
 
 
@@ -90,6 +93,8 @@ class Service(_Loop[RequestT, ResultT]):
         retry: Retry | None = None,
         on_error: ErrorHook[RequestT, ResultT] | None = None,
         name: str = "tickler",
+        store: SqliteStore | None = None,
+        codec: Codec | None = None,
     ) -> None:
         if not callable(handler):
             raise TypeError("handler must be callable")
@@ -108,6 +113,19 @@ class Service(_Loop[RequestT, ResultT]):
             raise TypeError("on_error must be a plain function, not an async function")
         if not isinstance(name, str):
             raise TypeError("name must be a str")
+        if store is not None and not isinstance(store, SqliteStore):
+            raise TypeError("store must be a tickler.SqliteStore or None")
+        if codec is not None:
+            if store is None:
+                raise ValueError("codec is for a service with a store; give store= too")
+            check_codec(codec)
+        self._store_run: StoreRun | None = None
+        if store is not None:
+            if codec is None:
+                codec = JsonCodec()
+            # The name is the queue in the store; one handler per queue.
+            self._store_run = StoreRun(store, codec)
+            store._codecs[name] = codec
 
         self._handler = handler
         self._retry = retry
@@ -117,7 +135,10 @@ class Service(_Loop[RequestT, ResultT]):
         # The queue length at which enqueue_request refuses: the cap less the
         # delayed requests while the service is open, 0 once it is closed, so
         # one comparison on the hot path covers every refusal.
+        # (With a store, every enqueue takes the store's path: see _queue.)
         self._admit = max_queue_length if max_queue_length is not None else _UNBOUNDED
+        if self._store_run is not None:
+            self._admit = 0
         self._closed = False
 
         # The queue. A threading.Lock, not a Trio lock: enqueue_request is
@@ -262,6 +283,8 @@ async def open_service(
     retry: Retry | None = None,
     on_error: ErrorHook[RequestT, ResultT] | None = None,
     name: str = "tickler",
+    store: SqliteStore | None = None,
+    codec: Codec | None = None,
     shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Service[RequestT, ResultT]]:
     """Run a :class:`Service` for the duration of an ``async with`` block.
@@ -279,6 +302,8 @@ async def open_service(
         retry=retry,
         on_error=on_error,
         name=name,
+        store=store,
+        codec=codec,
     )
     body_error: BaseException | None = None
     try:

@@ -93,6 +93,11 @@ SELECT min(run_at) FROM tickler_requests
 WHERE queue = ? AND state IN ('queued', 'scheduled', 'retrying')
 """
 
+_LIVE_COUNT = """
+SELECT count(*) FROM tickler_requests
+WHERE queue = ? AND state IN ('queued', 'scheduled', 'running', 'retrying')
+"""
+
 _MINE = """
 SELECT id, cancel_requested FROM tickler_requests
 WHERE queue = ? AND state = 'running' AND owner = ?
@@ -217,6 +222,8 @@ class BatchResult:
     """With renew: the running requests this process holds, and whether each is to be cancelled."""
     finals: list[Row] = attrs.Factory(list)
     pruned: int = 0
+    live: int = 0
+    """Requests of the queue queued, scheduled, running or retrying, in every process."""
 
 
 class SqliteStore:
@@ -388,9 +395,7 @@ class Connection:
                 result.applied.append(changed == 1)
             if batch.renew:
                 db.execute(_RENEW, (now + lease, queue, owner))
-                result.mine = {
-                    row[0]: bool(row[1]) for row in db.execute(_MINE, (queue, owner))
-                }
+                result.mine = {row[0]: bool(row[1]) for row in db.execute(_MINE, (queue, owner))}
             if batch.claim:
                 rows = db.execute(
                     _CLAIM,
@@ -405,6 +410,7 @@ class Connection:
                 rows.sort(key=lambda row: (row[5], row[0]))
                 result.claimed = [Claimed(row[0], row[1], row[2], row[3]) for row in rows]
             result.next_due = db.execute(_NEXT_DUE, (queue,)).fetchone()[0]
+            result.live = db.execute(_LIVE_COUNT, (queue,)).fetchone()[0]
             if batch.watched:
                 result.finals = list(self._finals(batch.watched))
             if batch.prune:
@@ -420,17 +426,17 @@ class Connection:
         for start in range(0, len(ids), 500):
             chunk = list(ids[start : start + 500])
             marks = ",".join("?" * len(chunk))
-            sql = f"{_ROW} WHERE id IN ({marks}) AND state IN ('succeeded', 'failed', 'cancelled')"  # noqa: S608 - only placeholders
+            sql = f"{_ROW} WHERE id IN ({marks}) AND state IN ('succeeded', 'failed', 'cancelled')"
             for row in self.db.execute(sql, chunk):
                 yield Row(*row)
 
     def lookup(self, queue: str, id_or_key: object) -> Row | None:
         if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-            found = self.db.execute(f"{_ROW} WHERE queue = ? AND id = ?", (queue, id_or_key))  # noqa: S608
+            found = self.db.execute(f"{_ROW} WHERE queue = ? AND id = ?", (queue, id_or_key))
         else:
             key = encode_key(id_or_key)
             found = self.db.execute(
-                f"{_ROW} WHERE queue = ? AND key = ? ORDER BY state NOT IN"  # noqa: S608
+                f"{_ROW} WHERE queue = ? AND key = ? ORDER BY state NOT IN"
                 " ('queued', 'scheduled', 'running', 'retrying'), id DESC LIMIT 1",
                 (queue, key),
             )
@@ -445,6 +451,7 @@ class Connection:
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         try:
+            args: tuple[object, ...]
             if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
                 where, args = "id = ?", (id_or_key,)
             else:
@@ -464,8 +471,7 @@ class Connection:
                 )
             else:
                 db.execute(
-                    "UPDATE tickler_requests SET state = 'cancelled', finished_at = ?"
-                    " WHERE id = ?",
+                    "UPDATE tickler_requests SET state = 'cancelled', finished_at = ? WHERE id = ?",
                     (time.time(), request_id),
                 )
             db.execute("COMMIT")

@@ -1,0 +1,162 @@
+"""The loop's side of a store: what a service with a store keeps between two batches.
+
+Only the supervisor loop talks to the store, once per wake-up, through one
+batch in one transaction on a worker thread: the requests enqueued since the
+last batch, the outcomes of the attempts that ended, lease renewals, claims
+up to the free capacity, and the final states of requests waited for that
+run elsewhere. enqueue_request and the processors only append to lists here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import attrs
+import trio
+
+from ._codec import Codec
+from ._exceptions import TicklerError
+from ._sqlite import Batch, BatchResult, Connection, Row, SqliteStore
+from ._ticket import Status, Ticket
+
+# (ticket, key text, state, encoded request, run_at)
+Pending = tuple[Ticket[Any, Any], str | None, str, bytes, float]
+# (kind, ticket, values for its row, what the ticket gets once written)
+Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
+
+
+class RequestFailed(TicklerError):
+    """A request failed in another process; the store kept its error as text.
+
+    Attributes:
+        error_type: the name of the exception's type.
+        error_message: its message.
+        error_traceback: its traceback, as text.
+    """
+
+    def __init__(self, error_type: str, error_message: str, error_traceback: str) -> None:
+        super().__init__(f"{error_type}: {error_message}")
+        self.error_type = error_type
+        self.error_message = error_message
+        self.error_traceback = error_traceback
+
+
+class Withdrawn(Exception):
+    """Raised in place of an attempt the loop took away: cancelled, handed back or lost."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@attrs.define(eq=False)
+class StoreRun:
+    """The state of one service's run against its store."""
+
+    store: SqliteStore
+    codec: Codec
+    owner: str = attrs.Factory(lambda: uuid.uuid4().hex)
+    connection: Connection | None = None
+    limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    # Enqueued since the last batch, under the service's lock.
+    pending: list[Pending] = attrs.Factory(list)
+    # Attempts that ended since the last batch: (kind, ticket, values for the
+    # row, what the ticket gets once the row is written).
+    outcomes: list[Outcome] = attrs.Factory(list)
+    # This process's tickets by request id: claimed or enqueued here.
+    tickets: dict[int, Ticket[Any, Any]] = attrs.Factory(dict)
+    # The cancel scope of each running attempt, and why the loop cancelled it.
+    scopes: dict[int, trio.CancelScope] = attrs.Factory(dict)
+    reasons: dict[int, str] = attrs.Factory(dict)
+    # Tickets waiting for requests that run elsewhere (a live key, a lost lease).
+    watched: dict[int, list[Ticket[Any, Any]]] = attrs.Factory(dict)
+    # Set after each commit; submit() waits for the batch holding its request.
+    committed: trio.Event = attrs.Factory(trio.Event)
+    next_check: float = 0.0
+    next_due: float | None = None
+    live: int = 0
+    claiming: bool = True
+    failures: int = 0
+    # A batch is in flight: what it took from pending is not in the store yet.
+    committing: bool = False
+
+    def withdraw(self, request_id: int, reason: str) -> bool:
+        """Cancel a running attempt; True if it was running here."""
+        scope = self.scopes.get(request_id)
+        if scope is None:
+            return False
+        self.reasons[request_id] = reason
+        scope.cancel()
+        return True
+
+    def connection_for(self, what: str) -> Connection:
+        if self.connection is None:
+            raise RuntimeError(f"{what}() needs the service to be running")
+        return self.connection
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.outcomes)
+
+    def build(
+        self, lock: Any, claim: int, now: float
+    ) -> tuple[Batch, list[Pending], list[Outcome]]:
+        """The next batch, and what it takes from pending and outcomes (to put back if it fails)."""
+        with lock:
+            pending, self.pending = self.pending, []
+        outcomes, self.outcomes = self.outcomes, []
+        check = now >= self.next_check
+        batch = Batch(
+            inserts=[(key, state, data, run_at) for _, key, state, data, run_at in pending],
+            outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
+            claim=claim if self.claiming else 0,
+            renew=check,
+            watched=list(self.watched) if check else (),
+            prune=check,
+        )
+        if check:
+            store = self.store
+            self.next_check = now + min(store.lease / 3, store.poll_interval)
+        return batch, pending, outcomes
+
+    def put_back(self, lock: Any, pending: list[Pending], outcomes: list[Outcome]) -> None:
+        """A batch failed: its requests and outcomes go into the next one."""
+        with lock:
+            self.pending[:0] = pending
+        self.outcomes[:0] = outcomes
+
+    async def run_batch(self, queue: str, batch: Batch) -> BatchResult:
+        connection = self.connection
+        assert connection is not None
+        store = self.store
+        self.committing = True
+        try:
+            return await trio.to_thread.run_sync(
+                connection.run,
+                queue,
+                self.owner,
+                store.lease,
+                store.retention,
+                batch,
+                limiter=self.limiter,
+            )
+        finally:
+            self.committing = False
+
+    def decode_row(self, row: Row) -> tuple[Status, Any, tuple[Any, ...]]:
+        """A final row as (status, result, final ticket state)."""
+        finished = row.finished_at
+        if row.state == "succeeded":
+            result = self.codec.decode(row.result) if row.result is not None else None
+            return Status.SUCCEEDED, result, (finished, result)
+        if row.state == "failed":
+            error = RequestFailed(
+                row.error_type or "Exception", row.error_message or "", row.error_traceback or ""
+            )
+            return Status.FAILED, None, (finished, error, None, None)
+        return Status.CANCELLED, None, (finished, None)
+
+
+def wall_clock() -> float:
+    return time.time()
