@@ -623,6 +623,10 @@ class _Loop(_Processors[RequestT, ResultT]):
                 else:
                     self._may_start = False
                     self._cancel_waiting(now)
+                    if self._store_run is not None:
+                        # With a store, what runs goes back to the store at once.
+                        for request_id in list(self._store_run.scopes):
+                            self._store_run.withdraw(request_id, "handback")
                 self._tickle()
         insider = self._insider() if token is not None else None
         if insider is None:

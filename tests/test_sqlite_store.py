@@ -1,0 +1,320 @@
+"""SqliteStore against real SQLite files: the queue's contract with a store beneath it."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import tickler
+
+FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
+
+
+def store_at(tmp_path: Path, **options: Any) -> tickler.SqliteStore:
+    return tickler.SqliteStore(tmp_path / "queue.db", **{**FAST, **options})
+
+
+def rows(path: Path, sql: str = "SELECT id, state, attempts FROM tickler_requests") -> list[Any]:
+    connection = sqlite3.connect(path)
+    try:
+        return connection.execute(sql).fetchall()
+    finally:
+        connection.close()
+
+
+async def double(request: int) -> int:
+    await trio.sleep(0.001)
+    return request * 2
+
+
+async def test_requests_run_from_the_store_and_their_rows_end_final(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    async with tickler.open_service(double, store=store, name="jobs", capacity=4) as service:
+        tickets = [service.enqueue_request(i) for i in range(30)]
+        assert all(t.id == 0 for t in tickets)  # not committed yet
+        assert [await t.wait() for t in tickets] == [i * 2 for i in range(30)]
+        assert sorted(t.id for t in tickets) == list(range(1, 31))
+    assert rows(store.path) == [(i, "succeeded", 1) for i in range(1, 31)]
+    stats = service.statistics()
+    assert (stats.enqueued, stats.succeeded, stats.failed) == (30, 30, 0)
+
+
+async def test_submit_returns_once_the_row_is_committed(tmp_path: Path) -> None:
+    gate = trio.Event()
+
+    async def held(request: int) -> int:
+        await gate.wait()
+        return request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(held, store=store, name="jobs") as service:
+        ticket = await service.submit(7)
+        assert ticket.id == 1
+        # Committed: another connection sees the row at once.
+        assert rows(store.path, "SELECT id, request FROM tickler_requests") == [(1, b"7")]
+        gate.set()
+        assert await ticket.wait() == 7
+
+
+async def test_retries_live_in_the_row_and_count_attempts(tmp_path: Path) -> None:
+    calls = 0
+
+    async def flaky(request: str) -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise OSError("down")
+        return request
+
+    retry = tickler.Retry(attempts=None, initial=0.01, jitter=False)
+    store = store_at(tmp_path)
+    async with tickler.open_service(flaky, store=store, name="jobs", retry=retry) as service:
+        ticket = service.enqueue_request("x")
+        assert await ticket.wait() == "x"
+        assert ticket.attempts == 3
+    assert rows(store.path) == [(1, "succeeded", 3)]
+    assert service.statistics().retried == 2
+
+
+async def test_a_final_failure_keeps_its_error_in_the_row(tmp_path: Path) -> None:
+    async def fail(request: int) -> None:
+        raise ValueError(f"bad {request}")
+
+    store = store_at(tmp_path)
+    errors: list[Exception] = []
+    async with tickler.open_service(
+        fail, store=store, name="jobs", on_error=lambda t, e: errors.append(e)
+    ) as service:
+        ticket = service.enqueue_request(5)
+        with pytest.raises(ValueError, match="bad 5"):
+            await ticket.wait()
+        found = await service.lookup(ticket.id)
+    assert found is not None
+    assert found.status is tickler.Status.FAILED
+    with pytest.raises(tickler.RequestFailed, match="ValueError: bad 5") as info:
+        found.result()
+    assert "Traceback" in info.value.error_traceback
+    assert len(errors) == 1
+
+
+async def test_keys_and_delays_live_in_the_store(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        first = await service.submit(1, key="k", delay=0.3)
+        again = await service.submit(2, key="k")
+        assert again.id == first.id
+        assert service.statistics().deduplicated == 1
+        counts = await service.store_statistics()
+        assert counts["scheduled"] == 1
+        started = trio.current_time()
+        await service.join()
+        assert await first.wait() == 2
+        assert await again.wait() == 2
+        assert first.started_at is not None
+        assert first.started_at - started >= 0.2
+        # Final: the key is free again.
+        third = await service.submit(3, key="k")
+        assert third.id != first.id
+        assert await third.wait() == 6
+
+
+async def test_cancel_a_queued_and_a_running_request(tmp_path: Path) -> None:
+    started = trio.Event()
+
+    async def slow(request: int) -> int:
+        if request == 1:
+            started.set()
+            await trio.sleep_forever()
+        return request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(slow, store=store, name="jobs", capacity=1) as service:
+        running = await service.submit(1)
+        waiting = await service.submit(2, key="two")
+        await started.wait()
+        assert await service.cancel("two")
+        assert await service.cancel(running.id)
+        with pytest.raises(tickler.RequestCancelled):
+            await running.wait()
+        assert not await service.cancel(running.id)  # no longer live
+        counts = await service.store_statistics()
+        assert counts["cancelled"] == 2
+        assert not await service.cancel(12345)
+    assert rows(store.path) == [(1, "cancelled", 1), (2, "cancelled", 0)]
+    assert waiting.status is not tickler.Status.SUCCEEDED
+
+
+async def test_a_stop_hands_back_what_it_claimed_and_commits_what_it_accepted(
+    tmp_path: Path,
+) -> None:
+    """A stop without drain: running attempts go back to the store, nothing is lost."""
+
+    async def forever(request: int) -> None:
+        await trio.sleep_forever()
+
+    store = store_at(tmp_path)
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(forever, store=store, name="jobs", capacity=2)
+        await nursery.start(service.run)
+        for i in range(5):
+            service.enqueue_request(i)
+        with trio.fail_after(10):
+            while service.statistics().in_flight < 2:
+                await trio.sleep(0.01)
+        late = service.enqueue_request(99)  # accepted, not committed yet
+        handed_back = await service.stop(drain=False)
+    assert len(handed_back) == 2
+    assert all(t.status is tickler.Status.QUEUED for t in handed_back)
+    assert late.id != 0
+    states = rows(store.path, "SELECT state, owner FROM tickler_requests")
+    assert states == [("queued", None)] * 6
+
+
+async def test_work_survives_the_service_and_runs_in_the_next(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+
+    async def forever(request: int) -> None:
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        first = tickler.Service(forever, store=store, name="jobs", capacity=1)
+        await nursery.start(first.run)
+        for i in range(3):
+            await first.submit(i)
+        await first.stop(drain=False)
+    async with tickler.open_service(double, store=store, name="jobs") as second:
+        await second.join()
+    assert [state for _, state, _ in rows(store.path)] == ["succeeded"] * 3
+
+
+async def test_one_file_holds_many_queues(tmp_path: Path) -> None:
+    async def negate(request: int) -> int:
+        return -request
+
+    store = store_at(tmp_path)
+    async with (
+        tickler.open_service(double, store=store, name="double") as doubler,
+        tickler.open_service(negate, store=store, name="negate") as negater,
+    ):
+        a = await doubler.submit(3)
+        b = await negater.submit(3)
+        assert (await a.wait(), await b.wait()) == (6, -3)
+        assert (await doubler.store_statistics())["succeeded"] == 1
+
+
+async def test_enqueue_in_is_part_of_the_callers_transaction(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        connection = sqlite3.connect(store.path, isolation_level=None)
+        try:
+            connection.execute("BEGIN")
+            store.enqueue_in(connection, "jobs", 1)
+            connection.execute("ROLLBACK")
+            connection.execute("BEGIN")
+            request_id = store.enqueue_in(connection, "jobs", 21, key="k")
+            assert store.enqueue_in(connection, "jobs", 22, key="k") == request_id
+            connection.execute("COMMIT")
+        finally:
+            connection.close()
+        with trio.fail_after(10):
+            while (await service.store_statistics())["succeeded"] < 1:
+                await trio.sleep(0.02)
+        found = await service.lookup(request_id)
+        assert found is not None
+        assert found.result() == 42
+    # The rolled-back request left nothing, not even its id.
+    assert rows(store.path) == [(request_id, "succeeded", 1)]
+
+
+async def test_the_codec_refuses_at_the_enqueue_and_fails_the_attempt(tmp_path: Path) -> None:
+    async def give_back(request: Any) -> Any:
+        return {1, 2} if request == "set" else request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(
+        give_back, store=store, name="jobs", on_error=lambda t, e: None
+    ) as service:
+        with pytest.raises(TypeError, match="JsonCodec cannot encode object"):
+            service.enqueue_request(object())
+        assert service.statistics().enqueued == 0
+        ticket = await service.submit("set")
+        with pytest.raises(TypeError, match="cannot encode the result, a set"):
+            await ticket.wait()
+    assert rows(store.path) == [(1, "failed", 1)]
+
+
+async def test_a_custom_codec(tmp_path: Path) -> None:
+    class Reversed:
+        def encode(self, obj: Any) -> bytes:
+            return str(obj)[::-1].encode()
+
+        def decode(self, data: bytes) -> Any:
+            return data.decode()[::-1]
+
+    async def upper(request: str) -> str:
+        return request.upper()
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(upper, store=store, name="jobs", codec=Reversed()) as service:
+        assert await (await service.submit("abc")).wait() == "ABC"
+    assert rows(store.path, "SELECT request, result FROM tickler_requests") == [(b"cba", b"CBA")]
+
+
+@pytest.mark.parametrize("kind", ["directory", "not a database", "foreign schema"])
+async def test_a_bad_file_is_refused_by_run_before_anything_starts(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "queue.db"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "not a database":
+        path.write_bytes(b"this is not SQLite" * 100)
+    else:
+        connection = sqlite3.connect(path)
+        connection.execute("CREATE TABLE customers (id INTEGER)")
+        connection.commit()
+        connection.close()
+    before = path.read_bytes() if path.is_file() else None
+    service = tickler.Service(double, store=tickler.SqliteStore(path), name="jobs")
+    service.enqueue_request(1)
+    with pytest.raises(tickler.StoreError, match="directory|not a SQLite database|not tickler's"):
+        await service.run()
+    if before is not None:
+        assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"synchronous": "OFF"}, ValueError, 'synchronous must be "FULL" or "NORMAL"'),
+        ({"lease": 0}, ValueError, "lease must be > 0"),
+        ({"poll_interval": float("inf")}, ValueError, "poll_interval must be finite"),
+        ({"retention": -1}, ValueError, "retention must be >= 0"),
+        ({"lease": "30"}, TypeError, "lease must be a number of seconds"),
+    ],
+)
+def test_bad_store_options(
+    tmp_path: Path, options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        tickler.SqliteStore(tmp_path / "q.db", **options)
+
+
+def test_bad_service_options_with_a_store(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="store must be a tickler.SqliteStore or None"):
+        tickler.Service(double, store="queue.db")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="codec is for a service with a store"):
+        tickler.Service(double, codec=tickler.JsonCodec())
+    with pytest.raises(TypeError, match="codec must have encode"):
+        tickler.Service(double, store=store_at(tmp_path), codec=object())  # type: ignore[arg-type]
+
+
+async def test_store_keys_must_be_storable(tmp_path: Path) -> None:
+    service = tickler.Service(double, store=store_at(tmp_path), name="jobs")
+    with pytest.raises(TypeError, match="key must be a str, an int or a tuple of them"):
+        service.enqueue_request(1, key=1.5)
+    assert service.statistics().enqueued == 0
