@@ -281,7 +281,7 @@ async def test_a_bad_file_is_refused_by_run_before_anything_starts(
     before = path.read_bytes() if path.is_file() else None
     service = tickler.Service(double, store=tickler.SqliteStore(path), name="jobs")
     service.enqueue_request(1)
-    with pytest.raises(tickler.StoreError, match="directory|not a SQLite database|not tickler's"):
+    with pytest.raises(tickler.StoreError, match=r"directory|not a SQLite database|not tickler.s"):
         await service.run()
     if before is not None:
         assert path.read_bytes() == before
@@ -305,7 +305,7 @@ def test_bad_store_options(
 
 
 def test_bad_service_options_with_a_store(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="store must be a tickler.SqliteStore or None"):
+    with pytest.raises(TypeError, match=r"store must be a tickler\.SqliteStore or None"):
         tickler.Service(double, store="queue.db")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="codec is for a service with a store"):
         tickler.Service(double, codec=tickler.JsonCodec())
