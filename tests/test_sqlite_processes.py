@@ -49,7 +49,7 @@ def log_lines(log: Path) -> list[list[str]]:
 
 
 def test_a_worker_killed_mid_run_loses_nothing(tmp_path: Path) -> None:
-    """SIGKILL mid-run, restart on the same file: every request ends; only those running ran twice."""
+    """SIGKILL mid-run, restart on the same file: all end; only those running ran twice."""
     db, log = tmp_path / "queue.db", tmp_path / "log"
     enqueue(db, [f"r{i}" for i in range(60)])
     first = worker(db, log, "--capacity", "8", "--sleep", "0.1", "--lease", "1")
