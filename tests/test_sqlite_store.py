@@ -318,3 +318,66 @@ async def test_store_keys_must_be_storable(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="key must be a str, an int or a tuple of them"):
         service.enqueue_request(1, key=1.5)
     assert service.statistics().enqueued == 0
+
+
+async def test_a_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
+    """Two services on one queue: a handler running 5 leases long is never taken over."""
+    starts: list[str] = []
+
+    def handler_for(name: str) -> Any:
+        async def handler(request: str) -> str:
+            starts.append(name)
+            await trio.sleep(1.0)
+            return request
+
+        return handler
+
+    store = store_at(tmp_path, lease=0.2)
+    async with (
+        tickler.open_service(handler_for("a"), store=store, name="jobs") as a,
+        tickler.open_service(handler_for("b"), store=store, name="jobs") as b,
+    ):
+        ticket = await a.submit("long")
+        assert await ticket.wait() == "long"
+        await b.join()
+    assert len(starts) == 1
+    assert rows(store.path) == [(1, "succeeded", 1)]
+
+
+async def test_final_rows_are_deleted_after_the_retention(tmp_path: Path) -> None:
+    store = store_at(tmp_path, retention=0.2)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        for i in range(5):
+            await (await service.submit(i)).wait()
+        assert len(rows(store.path)) == 5
+        with trio.fail_after(10):
+            while rows(store.path):
+                await trio.sleep(0.05)
+        live = await service.submit(9, delay=5)
+        await trio.sleep(0.5)
+        assert [r[0] for r in rows(store.path)] == [live.id]  # live rows are kept
+        assert await service.cancel(live.id)
+
+
+async def test_a_full_disk_delays_the_commit_and_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite's own "database or disk is full": the loop retries the batch with backoff."""
+    store = store_at(tmp_path)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        await (await service.submit(0)).wait()
+        stored = service._store_run
+        assert stored is not None
+        assert stored.connection is not None
+        db = stored.connection.db
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count = {pages}")
+        tickets = [service.enqueue_request(i) for i in range(1, 200)]
+        with trio.fail_after(10):
+            while stored.failures < 2:
+                await trio.sleep(0.01)
+        assert all(t.id == 0 for t in tickets)  # none committed, none dropped
+        db.execute("PRAGMA max_page_count = 1073741823")
+        assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 200)]
+    assert "database or disk is full" in caplog.text
+    assert len(rows(store.path)) == 200
