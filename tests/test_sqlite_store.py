@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -381,3 +382,51 @@ async def test_a_full_disk_delays_the_commit_and_loses_nothing(
         assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 200)]
     assert "database or disk is full" in caplog.text
     assert len(rows(store.path)) == 200
+
+
+async def test_inspect_prints_counts_and_latest_failures(tmp_path: Path) -> None:
+    async def maybe(request: int) -> int:
+        if request < 0:
+            raise ValueError(f"negative {request}")
+        return request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(
+        maybe, store=store, name="jobs", on_error=lambda t, e: None
+    ) as service:
+        for request in (1, 2, -3):
+            await service.submit(request)
+        await service.submit(4, delay=60)
+        with trio.fail_after(10):
+            while (await service.store_statistics())["failed"] < 1:
+                await trio.sleep(0.02)
+        done = await trio.run_process(
+            [sys.executable, "-m", "tickler", "inspect", f"sqlite:///{store.path}"],
+            capture_stdout=True,
+        )
+        await service.cancel(4)
+    assert done.stdout.decode().splitlines() == [
+        "queue 'jobs': 0 queued, 1 scheduled, 0 running, 0 retrying,"
+        " 2 succeeded, 1 failed, 0 cancelled",
+        "  failed #3 after 1 attempt(s): ValueError: negative -3",
+    ]
+
+
+@pytest.mark.parametrize("kind", ["missing", "foreign", "not sqlite", "bad url"])
+async def test_inspect_refuses_a_missing_or_foreign_file(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "queue.db"
+    url = f"sqlite:///{path}"
+    if kind == "foreign":
+        connection = sqlite3.connect(path)
+        connection.execute("CREATE TABLE customers (id INTEGER)")
+        connection.close()
+    elif kind == "not sqlite":
+        path.write_text("hello")
+    elif kind == "bad url":
+        url = str(path)
+    done = await trio.run_process(
+        [sys.executable, "-m", "tickler", "inspect", url], capture_stderr=True, check=False
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().startswith("python -m tickler: ")
+    assert not path.exists() or kind != "missing"
