@@ -76,12 +76,18 @@ SET state = 'running', owner = :owner, lease_until = :lease_until,
     attempts = attempts + 1, started_at = :now
 WHERE id IN (
     SELECT id FROM (
-        SELECT id, run_at AS due FROM tickler_requests
-        WHERE queue = :queue AND state IN ('queued', 'scheduled', 'retrying')
-            AND run_at <= :now
+        SELECT * FROM (
+            SELECT id, run_at AS due FROM tickler_requests
+            WHERE queue = :queue AND state IN ('queued', 'scheduled', 'retrying')
+                AND run_at <= :now
+            ORDER BY run_at, id LIMIT :limit
+        )
         UNION ALL
-        SELECT id, lease_until AS due FROM tickler_requests
-        WHERE queue = :queue AND state = 'running' AND lease_until < :now
+        SELECT * FROM (
+            SELECT id, lease_until AS due FROM tickler_requests
+            WHERE queue = :queue AND state = 'running' AND lease_until < :now
+            ORDER BY lease_until LIMIT :limit
+        )
     )
     ORDER BY due, id LIMIT :limit
 )
@@ -93,9 +99,13 @@ SELECT min(run_at) FROM tickler_requests
 WHERE queue = ? AND state IN ('queued', 'scheduled', 'retrying')
 """
 
-_LIVE_COUNT = """
-SELECT count(*) FROM tickler_requests
-WHERE queue = ? AND state IN ('queued', 'scheduled', 'running', 'retrying')
+_ANY_LIVE = """
+SELECT EXISTS (
+    SELECT 1 FROM tickler_requests
+    WHERE queue = ? AND state IN ('queued', 'scheduled', 'retrying')
+) OR EXISTS (
+    SELECT 1 FROM tickler_requests WHERE queue = ? AND state = 'running'
+)
 """
 
 _MINE = """
@@ -108,37 +118,21 @@ UPDATE tickler_requests SET lease_until = ?
 WHERE queue = ? AND state = 'running' AND owner = ?
 """
 
-_SUCCEEDED = """
-UPDATE tickler_requests
-SET state = 'succeeded', result = ?, finished_at = ?, owner = NULL, lease_until = NULL
-WHERE id = ? AND owner = ? AND state = 'running'
-"""
-
-_RETRYING = """
-UPDATE tickler_requests
-SET state = 'retrying', run_at = ?, error_type = ?, error_message = ?, error_traceback = ?,
-    owner = NULL, lease_until = NULL
-WHERE id = ? AND owner = ? AND state = 'running'
-"""
-
-_FAILED = """
-UPDATE tickler_requests
-SET state = 'failed', finished_at = ?, error_type = ?, error_message = ?, error_traceback = ?,
-    owner = NULL, lease_until = NULL
-WHERE id = ? AND owner = ? AND state = 'running'
-"""
-
-_CANCELLED = """
-UPDATE tickler_requests
-SET state = 'cancelled', finished_at = ?, owner = NULL, lease_until = NULL
-WHERE id = ? AND owner = ? AND state = 'running'
-"""
-
-_HANDED_BACK = """
-UPDATE tickler_requests
-SET state = 'queued', run_at = ?, owner = NULL, lease_until = NULL
-WHERE id = ? AND owner = ? AND state = 'running'
-"""
+# What each outcome sets, from the columns of its VALUES row (column1 is the id).
+_SETS = {
+    "succeeded": "state = 'succeeded', result = v.column2, finished_at = v.column3",
+    "retrying": (
+        "state = 'retrying', run_at = v.column2, error_type = v.column3,"
+        " error_message = v.column4, error_traceback = v.column5"
+    ),
+    "failed": (
+        "state = 'failed', finished_at = v.column2, error_type = v.column3,"
+        " error_message = v.column4, error_traceback = v.column5"
+    ),
+    "cancelled": "state = 'cancelled', finished_at = v.column2",
+    "handed_back": "state = 'queued', run_at = v.column2",
+}
+_ROWS_PER_STATEMENT = 150
 
 _ROW = """
 SELECT id, key, state, request, result, error_type, error_message, error_traceback,
@@ -223,7 +217,7 @@ class BatchResult:
     finals: list[Row] = attrs.Factory(list)
     pruned: int = 0
     live: int = 0
-    """Requests of the queue queued, scheduled, running or retrying, in every process."""
+    """1 if any request of the queue is queued, scheduled, running or retrying, in any process."""
 
 
 class SqliteStore:
@@ -382,17 +376,8 @@ class Connection:
         now = time.time()
         db.execute("BEGIN IMMEDIATE")
         try:
-            for key, state, data, run_at in batch.inserts:
-                found = db.execute(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
-                if found is not None:
-                    result.inserted.append((found[0], True))
-                else:
-                    live = db.execute(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
-                    result.inserted.append((live[0], False))
-            for kind, request_id, values in batch.outcomes:
-                sql = _OUTCOMES[kind]
-                changed = db.execute(sql, (*values, request_id, owner)).rowcount
-                result.applied.append(changed == 1)
+            result.inserted = self._insert(queue, batch.inserts, now)
+            result.applied = self._write_outcomes(owner, batch.outcomes)
             if batch.renew:
                 db.execute(_RENEW, (now + lease, queue, owner))
                 result.mine = {row[0]: bool(row[1]) for row in db.execute(_MINE, (queue, owner))}
@@ -410,7 +395,7 @@ class Connection:
                 rows.sort(key=lambda row: (row[5], row[0]))
                 result.claimed = [Claimed(row[0], row[1], row[2], row[3]) for row in rows]
             result.next_due = db.execute(_NEXT_DUE, (queue,)).fetchone()[0]
-            result.live = db.execute(_LIVE_COUNT, (queue,)).fetchone()[0]
+            result.live = db.execute(_ANY_LIVE, (queue, queue)).fetchone()[0]
             if batch.watched:
                 result.finals = list(self._finals(batch.watched))
             if batch.prune:
@@ -421,6 +406,73 @@ class Connection:
                 db.execute("ROLLBACK")
             raise
         return result
+
+    def _insert(
+        self, queue: str, inserts: list[tuple[str | None, str, bytes, float]], now: float
+    ) -> list[tuple[int, bool]]:
+        """Insert in order; requests without a key many to a statement."""
+        db = self.db
+        inserted: list[tuple[int, bool]] = []
+        plain: list[tuple[str | None, str, bytes, float]] = []
+
+        def flush() -> None:
+            for start in range(0, len(plain), _ROWS_PER_STATEMENT):
+                chunk = plain[start : start + _ROWS_PER_STATEMENT]
+                marks = ",".join(["(?, NULL, ?, ?, ?, ?)"] * len(chunk))
+                params = [
+                    p for _, state, data, run_at in chunk for p in (queue, state, data, run_at, now)
+                ]
+                ids = db.execute(
+                    "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)"
+                    f" VALUES {marks} RETURNING id",
+                    params,
+                ).fetchall()
+                # One statement allocates ids in the order of its rows.
+                inserted.extend((request_id, True) for (request_id,) in sorted(ids))
+            plain.clear()
+
+        for entry in inserts:
+            key, state, data, run_at = entry
+            if key is None:
+                plain.append(entry)
+                continue
+            flush()
+            found = db.execute(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
+            if found is not None:
+                inserted.append((found[0], True))
+            else:
+                live = db.execute(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
+                inserted.append((live[0], False))
+        flush()
+        return inserted
+
+    def _write_outcomes(
+        self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]]
+    ) -> list[bool]:
+        """One UPDATE per kind of outcome (and per chunk), each only under owner's lease."""
+        db = self.db
+        by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
+        for kind, request_id, values in outcomes:
+            by_kind.setdefault(kind, []).append((request_id, values))
+        applied: set[int] = set()
+        for kind, entries in by_kind.items():
+            width = 1 + len(entries[0][1])
+            per_statement = max(1, 900 // width)
+            for start in range(0, len(entries), per_statement):
+                chunk = entries[start : start + per_statement]
+                row = "(" + ",".join("?" * width) + ")"
+                params = [p for request_id, values in chunk for p in (request_id, *values)]
+                applied.update(
+                    request_id
+                    for (request_id,) in db.execute(
+                        f"UPDATE tickler_requests SET {_SETS[kind]}, owner = NULL,"  # noqa: S608
+                        f" lease_until = NULL FROM (VALUES {','.join([row] * len(chunk))}) AS v"
+                        " WHERE tickler_requests.id = v.column1 AND owner = ?"
+                        " AND state = 'running' RETURNING tickler_requests.id",
+                        [*params, owner],
+                    )
+                )
+        return [request_id in applied for _, request_id, _ in outcomes]
 
     def _finals(self, ids: Sequence[int]) -> Iterable[Row]:
         for start in range(0, len(ids), 500):
@@ -488,12 +540,3 @@ class Connection:
         ):
             counts[state] = count
         return counts
-
-
-_OUTCOMES = {
-    "succeeded": _SUCCEEDED,
-    "retrying": _RETRYING,
-    "failed": _FAILED,
-    "cancelled": _CANCELLED,
-    "handed_back": _HANDED_BACK,
-}
