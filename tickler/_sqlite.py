@@ -65,6 +65,10 @@ ON CONFLICT (queue, key)
 RETURNING id
 """
 
+_INSERT_MANY = (
+    "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at) VALUES"
+)
+
 _LIVE_ID_OF_KEY = """
 SELECT id FROM tickler_requests
 WHERE queue = ? AND key = ? AND state IN ('queued', 'scheduled', 'running', 'retrying')
@@ -422,11 +426,9 @@ class Connection:
                 params = [
                     p for _, state, data, run_at in chunk for p in (queue, state, data, run_at, now)
                 ]
-                ids = db.execute(
-                    "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)"
-                    f" VALUES {marks} RETURNING id",
-                    params,
-                ).fetchall()
+                # Only placeholders are formatted into the statement.
+                sql = f"{_INSERT_MANY} {marks} RETURNING id"
+                ids = db.execute(sql, params).fetchall()
                 # One statement allocates ids in the order of its rows.
                 inserted.extend((request_id, True) for (request_id,) in sorted(ids))
             plain.clear()
