@@ -20,12 +20,14 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
+from pathlib import Path
 from typing import TypeVar
 
 import trio
@@ -80,6 +82,7 @@ class Config:
     prefill: tuple[int, ...] = (1_000, 100_000, 1_000_000)
     fill: int = 1_000_000
     memory: int = 100_000
+    submits: int = 300
     rounds: int = 5
 
 
@@ -90,6 +93,7 @@ QUICK = Config(
     prefill=(100, 1_000, 10_000),
     fill=10_000,
     memory=2_000,
+    submits=20,
     rounds=2,
 )
 
@@ -143,6 +147,45 @@ async def burst_tickler(
     stats = service.statistics()
     assert stats.succeeded == n, stats
     return elapsed, (stats.wakeups - before) / n
+
+
+async def burst_sqlite(n: int, concurrency: int) -> float:
+    """Seconds from the first enqueue to the last completion committed, SqliteStore FULL."""
+    with tempfile.TemporaryDirectory() as directory:
+        store = tickler.SqliteStore(Path(directory) / "queue.db", synchronous="FULL")
+        service = tickler.Service(
+            _checkpoint_handler,
+            capacity=concurrency,
+            max_queue_length=None,
+            store=store,
+            name="bench",
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            enqueue = service.enqueue_request
+            start = time.perf_counter()
+            for i in range(n):
+                enqueue(i)
+            await service.join()  # nothing of the queue is live in the store
+            elapsed = time.perf_counter() - start
+            await service.stop()
+    stats = service.statistics()
+    assert stats.succeeded == n, stats
+    return elapsed
+
+
+async def submit_latencies(n: int) -> list[float]:
+    """Nanoseconds from calling submit to its return (the commit), on an idle service."""
+    latencies: list[float] = []
+    with tempfile.TemporaryDirectory() as directory:
+        store = tickler.SqliteStore(Path(directory) / "queue.db", synchronous="FULL")
+        async with tickler.open_service(_checkpoint_handler, store=store, name="bench") as service:
+            for i in range(n):
+                start = time.perf_counter_ns()
+                ticket = await service.submit(i)
+                latencies.append(time.perf_counter_ns() - start)
+                await ticket.wait()
+    return latencies
 
 
 async def burst_pool(n: int, concurrency: int, context_per_request: bool = False) -> float:
@@ -441,6 +484,17 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             "vs_aiojobs", "burst", "tickler", [], "req/s", "aiojobs", ("ratio", ">=", 10.0)
         ),
         "wakeups": Row("wakeups", "burst", "tickler wake-ups per request", [], "wakeups/req"),
+        "sqlite": Row(
+            "sqlite",
+            "burst",
+            'tickler, SqliteStore(synchronous="FULL"), to the last commit',
+            [],
+            "req/s",
+            "tickler",
+            ("ratio", ">=", 0.2),
+        ),
+        "submit_p50": Row("submit_p50", "submit p50", "SqliteStore FULL, call to commit", [], "us"),
+        "submit_p99": Row("submit_p99", "submit p99", "SqliteStore FULL, call to commit", [], "us"),
         "p50": Row("p50", "trickle p50", "tickler", [], "us", "p50_pool", ("ratio", "<=", 1.5)),
         "p50_pool": Row("p50_pool", "trickle p50", "worker pool hand-off", [], "us"),
         "p99": Row("p99", "trickle p99", "tickler", [], "us", "p99_pool"),
@@ -518,6 +572,12 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         sample("spawn", n / in_context(False, trio.run, burst_spawn, n, c))
         if aiojobs is not None:
             sample("aiojobs", n / in_context(False, asyncio.run, burst_aiojobs(n, c)))
+        sample("sqlite", n / in_context(False, trio.run, burst_sqlite, n, c))
+
+        out(f"  round {round_no + 1}/{config.rounds}: submit")
+        latencies = in_context(False, trio.run, submit_latencies, config.submits)
+        sample("submit_p50", statistics.median(latencies) / 1000)
+        sample("submit_p99", statistics.quantiles(latencies, n=100)[98] / 1000)
 
         out(f"  round {round_no + 1}/{config.rounds}: trickle")
         for key, latencies in (
