@@ -26,6 +26,7 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
         (1, "50\n50 0\n"),
         (2, "delivered 'hello' on attempt 3\n2\n"),
         (3, "['create 1', 'create 1', 'start 1']\n1\n"),
+        (4, "1 invoice for order 42\n1\n"),
     ],
 )
 def test_readme_examples_run(index: int, output: str) -> None:
@@ -42,7 +43,7 @@ def test_readme_examples_run(index: int, output: str) -> None:
 
 def test_every_readme_example_is_tested() -> None:
     """No Python example in the README escapes the test above."""
-    assert len(EXAMPLES) == 4
+    assert len(EXAMPLES) == 5
 
 
 def test_readme_gives_the_two_setup_commands() -> None:

@@ -430,3 +430,18 @@ async def test_inspect_refuses_a_missing_or_foreign_file(tmp_path: Path, kind: s
     assert done.returncode == 2
     assert done.stderr.decode().startswith("python -m tickler: ")
     assert not path.exists() or kind != "missing"
+
+
+async def test_the_readmes_insert_for_other_drivers(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    insert = readme.split("```sql\n")[1].split("```")[0]
+    store = store_at(tmp_path)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        connection = sqlite3.connect(store.path)
+        with connection:
+            connection.execute(insert, {"queue": "jobs", "request": b"21"})
+        connection.close()
+        with trio.fail_after(10):
+            while (found := await service.lookup(1)) is None or not found.done:
+                await trio.sleep(0.02)
+        assert found.result() == 42
