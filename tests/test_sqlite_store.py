@@ -316,9 +316,14 @@ def test_bad_service_options_with_a_store(tmp_path: Path) -> None:
 
 async def test_store_keys_must_be_storable(tmp_path: Path) -> None:
     service = tickler.Service(double, store=store_at(tmp_path), name="jobs")
-    with pytest.raises(TypeError, match="key must be a str, an int or a tuple of them"):
+    message = r"^key must be a str or a tuple of strs and ints for a service with a store, not "
+    with pytest.raises(TypeError, match=message + "float$"):
         service.enqueue_request(1, key=1.5)
-    assert service.statistics().enqueued == 0
+    # A bare int would read as an id in cancel() and lookup().
+    with pytest.raises(TypeError, match=message + "int$"):
+        service.enqueue_request(1, key=7)
+    service.enqueue_request(1, key=("order", 7))
+    assert service.statistics().enqueued == 1
 
 
 async def test_a_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:

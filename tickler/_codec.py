@@ -50,17 +50,20 @@ def check_codec(codec: object) -> Codec:
 
 
 def encode_key(key: object) -> str:
-    """A key as the store keeps it: canonical JSON of a str, an int, or a tuple of them."""
+    """A key as the store keeps it: canonical JSON of a str, or of a tuple of strs and ints.
 
-    def check(part: object) -> None:
+    Not a bare int: cancel() and lookup() take an int as a request's id.
+    """
+
+    def check(part: object, top: bool) -> None:
         if isinstance(part, tuple):
             for item in part:
-                check(item)
-        elif isinstance(part, bool) or not isinstance(part, str | int):
+                check(item, False)
+        elif isinstance(part, bool) or not isinstance(part, str if top else str | int):
             raise TypeError(
-                "key must be a str, an int or a tuple of them for a service with a store,"
+                "key must be a str or a tuple of strs and ints for a service with a store,"
                 f" not {type(part).__name__}"
             )
 
-    check(key)
+    check(key, True)
     return json.dumps(key, separators=(",", ":"))

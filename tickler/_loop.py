@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-import sqlite3
 import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -29,7 +28,7 @@ from ._core import (
     _EMPTY_CONTEXT as _EMPTY,
 )
 from ._exceptions import ServiceClosed
-from ._processors import _Processors, _Slot
+from ._processors import _ATTEMPTS, _Processors, _Slot
 from ._sqlite import BatchResult
 from ._store_loop import Outcome, Pending, StoreRun, wall_clock
 from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
@@ -82,6 +81,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             # Open and check the store before anything starts: a bad file
             # raises StoreError from here, with nothing written.
             stored.connection = await trio.to_thread.run_sync(stored.store.connect)
+            stored.finals_since = wall_clock()
         self._signal_tx, self._signal_rx = trio.open_memory_channel[None](1)
         clock = trio.lowlevel.current_clock()
         now = clock.current_time()
@@ -132,12 +132,16 @@ class _Loop(_Processors[RequestT, ResultT]):
                 free = self._capacity - self._in_flight - len(queue)
                 claim = free if self._may_start and not self._stop_called and free > 0 else 0
                 batch, pending, outcomes = stored.build(self._lock, claim, wall_clock())
+                looked = False
                 if batch.inserts or batch.outcomes or batch.claim or batch.renew:
                     try:
                         result = await stored.run_batch(self.name, batch)
-                    except (sqlite3.Error, OSError) as exc:
-                        # Nothing accepted is dropped: it goes into the next try.
+                    except BaseException as exc:
+                        # Nothing accepted is dropped: it goes into the next
+                        # try, or into the final flush if the run is ending.
                         stored.put_back(self._lock, pending, outcomes)
+                        if not isinstance(exc, Exception):
+                            raise
                         stored.failures += 1
                         delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
                         logger.error(
@@ -150,6 +154,11 @@ class _Loop(_Processors[RequestT, ResultT]):
                         await trio.sleep(delay)
                         continue
                     stored.failures = 0
+                    if batch.finished_since is not None:
+                        # Overlapping looks: a clock step back loses nothing.
+                        stored.finals_since = result.now - 1.0
+                        stored.checks += 1
+                        looked = True
                     self._apply_batch(stored, result, pending, outcomes)
                 self._dispatch()
                 if self._stop_called:
@@ -162,7 +171,8 @@ class _Loop(_Processors[RequestT, ResultT]):
                         self._expire()
                     elif self._insiders:
                         self._check_quiet()
-                if self._idle_event is not None and self._is_idle():
+                # (join() also waits for a fresh look at the store.)
+                if self._idle_event is not None and (looked or self._is_idle()):
                     self._idle_event.set()
                     self._idle_event = None
                 # The store's times are the wall clock's; sleep on Trio's.
@@ -205,23 +215,26 @@ class _Loop(_Processors[RequestT, ResultT]):
             stored.committed = trio.Event()
             if self._submitters:
                 self._room.unpark_all()
-        for (kind, ticket, _, local), applied in zip(outcomes, result.applied, strict=True):
+        for (kind, ticket, _, local), state in zip(outcomes, result.applied, strict=True):
             request_id = ticket.id
-            if not applied:
-                if kind != "handed_back":
+            stored.local.discard(request_id)
+            if state is None:
+                if kind != "handed_back" and not ticket.done:
                     # The lease had gone: another process runs the request.
                     stored.tickets.pop(request_id, None)
                     stored.watched.setdefault(request_id, []).append(ticket)
                     ticket.status = _QUEUED
                 continue
-            if kind == "retrying":
+            if state == "retrying":
                 ticket.status = _RETRYING
                 self._retried += 1
                 continue
-            if kind == "handed_back":
+            if state == "queued":  # handed back
                 ticket.status = _QUEUED
                 continue
             stored.tickets.pop(request_id, None)
+            if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
+                kind = "cancelled"
             if kind == "succeeded":
                 self._succeeded += 1
                 self._finish(ticket, _SUCCEEDED, (now, local))
@@ -237,7 +250,16 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._finish(follower, ticket.status, ticket._state)
         if result.mine is not None:
             self._check_leases(stored, result.mine)
+        for request_id in result.recent:
+            # Final in the store, and not by this process's hand: a cancel, or
+            # another process ran it. Fetch its outcome at the next look.
+            elsewhere = stored.tickets.get(request_id)
+            if elsewhere is not None and request_id not in stored.local and not elsewhere.done:
+                del stored.tickets[request_id]
+                stored.watched.setdefault(request_id, []).append(elsewhere)
+                stored.next_check = 0.0
         for claimed in result.claimed:
+            stored.local.add(claimed.id)
             known = stored.tickets.get(claimed.id)
             if known is None:
                 try:
@@ -255,14 +277,20 @@ class _Loop(_Processors[RequestT, ResultT]):
                 known.status = _QUEUED
                 known.attempts = claimed.attempts - 1
             ticket = known
+            if not self._may_start:
+                # Claimed by a batch that was under way when a stop began.
+                self._record("handed_back", ticket, (wall_clock(),))
+                continue
             with self._lock:
                 queue_length = len(self._queue)
                 self._queue.append(ticket)
                 self._peak = max(self._peak, queue_length + 1)
         for row in result.finals:
             for ticket in stored.watched.pop(row.id, ()):
-                status, _, final = stored.decode_row(row)
-                self._finish(ticket, status, final)
+                if not ticket.done:
+                    status, _, final = stored.decode_row(row)
+                    self._finish(ticket, status, final)
+
         stored.next_due = result.next_due
         stored.live = result.live
 
@@ -297,7 +325,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                     break
                 try:
                     result = await stored.run_batch(self.name, batch)
-                except (sqlite3.Error, OSError) as exc:
+                except Exception as exc:
                     stored.put_back(self._lock, pending, outcomes)
                     logger.error(
                         "service %r: writing to the store at the stop failed (%s)",
@@ -567,6 +595,15 @@ class _Loop(_Processors[RequestT, ResultT]):
             raise RuntimeError(
                 f"join() called from a handler of service {self.name!r} would wait for itself"
             )
+        stored = self._store_run
+        if stored is not None and token is not None:
+            # What the last look at the store saw may be stale: take a fresh
+            # one first, and trust only looks taken after the call.
+            start = stored.checks
+            stored.next_check = 0.0
+            self._tickle()
+            while stored.checks == start and not self._finished.is_set():
+                await self._idle_event_or_new().wait()
         while not (self._is_idle() or self._finished.is_set()):
             self._bind()
             event = self._idle_event
@@ -575,6 +612,22 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._tickle()
             await event.wait()
         await trio.lowlevel.checkpoint()
+
+    def _own_request(self) -> int | None:
+        """The id of the request whose handler (or a task it spawned) is calling, if any."""
+        insider = self._insider()
+        if insider is None:
+            return None
+        attempt = _ATTEMPTS.get(insider)
+        return attempt.ticket.id if attempt is not None and attempt.ticket is not None else None
+
+    def _idle_event_or_new(self) -> trio.Event:
+        """The event the loop sets once idle; with a store, also after each look at the store."""
+        event = self._idle_event
+        if event is None:
+            event = self._idle_event = trio.Event()
+            self._tickle()
+        return event
 
     async def stop(
         self, *, drain: bool = True, timeout: float | None = None
@@ -624,9 +677,12 @@ class _Loop(_Processors[RequestT, ResultT]):
                     self._may_start = False
                     self._cancel_waiting(now)
                     if self._store_run is not None:
-                        # With a store, what runs goes back to the store at once.
+                        # With a store, what runs goes back to the store at
+                        # once; but for a caller's own attempt (see below).
+                        own = self._own_request()
                         for request_id in list(self._store_run.scopes):
-                            self._store_run.withdraw(request_id, "handback")
+                            if request_id != own:
+                                self._store_run.withdraw(request_id, "handback")
                 self._tickle()
         insider = self._insider() if token is not None else None
         if insider is None:

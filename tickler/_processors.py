@@ -99,6 +99,11 @@ def _reset(tokens: list[contextvars.Token[Any]]) -> None:
         token.var.reset(token)
 
 
+def _storable(text: str) -> str:
+    """Text the store can keep: lone surrogates (say, from surrogateescape) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class _Processors(_QueueSide[RequestT, ResultT]):
     """Start, run and record attempts; keep a slot while work waits; park when none does."""
 
@@ -496,7 +501,11 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             kind = "cancelled" if exc.reason == "cancelled" else "handed_back"
             self._record(kind, ticket, (wall_clock(),))
             return
-        text = (type(exc).__name__, str(exc), _format_exception(exc))
+        text = (
+            _storable(type(exc).__name__),
+            _storable(str(exc)),
+            _storable(_format_exception(exc)),
+        )
         retry = self._retry
         if retry is not None and retry.should_retry(ticket.attempts, exc):
             if not self._may_start:

@@ -122,19 +122,28 @@ UPDATE tickler_requests SET lease_until = ?
 WHERE queue = ? AND state = 'running' AND owner = ?
 """
 
-# What each outcome sets, from the columns of its VALUES row (column1 is the id).
+# What each outcome sets, from the columns of its VALUES row: column1 is the
+# id, then the outcome's values, then {now}, the transaction's time. Every
+# finished_at is that time, taken once the write lock is held, so that rows
+# become final in the order of finished_at (see Batch.finished_since).
 _SETS = {
-    "succeeded": "state = 'succeeded', result = v.column2, finished_at = v.column3",
+    "succeeded": "state = 'succeeded', result = v.column2, finished_at = {now}",
+    # A request whose cancel was asked for is never retried nor handed back.
     "retrying": (
-        "state = 'retrying', run_at = v.column2, error_type = v.column3,"
+        "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'retrying' END,"
+        " finished_at = CASE WHEN cancel_requested THEN {now} END,"
+        " run_at = v.column2, error_type = v.column3,"
         " error_message = v.column4, error_traceback = v.column5"
     ),
     "failed": (
-        "state = 'failed', finished_at = v.column2, error_type = v.column3,"
+        "state = 'failed', finished_at = {now}, error_type = v.column3,"
         " error_message = v.column4, error_traceback = v.column5"
     ),
-    "cancelled": "state = 'cancelled', finished_at = v.column2",
-    "handed_back": "state = 'queued', run_at = v.column2",
+    "cancelled": "state = 'cancelled', finished_at = {now}",
+    "handed_back": (
+        "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
+        " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2"
+    ),
 }
 _ROWS_PER_STATEMENT = 150
 
@@ -142,6 +151,11 @@ _ROW = """
 SELECT id, key, state, request, result, error_type, error_message, error_traceback,
     attempts, enqueued_at, started_at, finished_at
 FROM tickler_requests
+"""
+
+_RECENT = """
+SELECT id FROM tickler_requests
+WHERE queue = ? AND state IN ('succeeded', 'failed', 'cancelled') AND finished_at >= ?
 """
 
 _PRUNE = """
@@ -206,20 +220,26 @@ class Batch:
     watched: Sequence[int] = ()
     """Ids whose final state is asked for."""
     prune: bool = False
+    finished_since: float | None = None
+    """Report the ids of the queue's requests that became final at or after this time."""
 
 
 @attrs.define(eq=False)
 class BatchResult:
     inserted: list[tuple[int, bool]] = attrs.Factory(list)
     """For each insert: (id, whether it is new; False: its key was live)."""
-    applied: list[bool] = attrs.Factory(list)
-    """For each outcome: whether this process still held the lease."""
+    applied: list[str | None] = attrs.Factory(list)
+    """For each outcome: the state it wrote, or None if this process no longer held the lease."""
     claimed: list[Claimed] = attrs.Factory(list)
     next_due: float | None = None
     mine: dict[int, bool] | None = None
     """With renew: the running requests this process holds, and whether each is to be cancelled."""
     finals: list[Row] = attrs.Factory(list)
     pruned: int = 0
+    now: float = 0.0
+    """The transaction's time."""
+    recent: list[int] = attrs.Factory(list)
+    """With finished_since: the ids that became final since then."""
     live: int = 0
     """1 if any request of the queue is queued, scheduled, running or retrying, in any process."""
 
@@ -377,11 +397,11 @@ class Connection:
         """
         db = self.db
         result = BatchResult()
-        now = time.time()
         db.execute("BEGIN IMMEDIATE")
         try:
+            now = result.now = time.time()
             result.inserted = self._insert(queue, batch.inserts, now)
-            result.applied = self._write_outcomes(owner, batch.outcomes)
+            result.applied = self._write_outcomes(owner, batch.outcomes, now)
             if batch.renew:
                 db.execute(_RENEW, (now + lease, queue, owner))
                 result.mine = {row[0]: bool(row[1]) for row in db.execute(_MINE, (queue, owner))}
@@ -402,6 +422,10 @@ class Connection:
             result.live = db.execute(_ANY_LIVE, (queue, queue)).fetchone()[0]
             if batch.watched:
                 result.finals = list(self._finals(batch.watched))
+            if batch.finished_since is not None:
+                result.recent = [
+                    row[0] for row in db.execute(_RECENT, (queue, batch.finished_since))
+                ]
             if batch.prune:
                 result.pruned = db.execute(_PRUNE, (now - retention, PRUNE_BATCH)).rowcount
             db.execute("COMMIT")
@@ -449,32 +473,35 @@ class Connection:
         return inserted
 
     def _write_outcomes(
-        self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]]
-    ) -> list[bool]:
-        """One UPDATE per kind of outcome (and per chunk), each only under owner's lease."""
+        self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]], now: float
+    ) -> list[str | None]:
+        """One UPDATE per kind of outcome (and per chunk), each only under owner's lease.
+
+        Returns the state each outcome wrote, or None where the lease was gone.
+        """
         db = self.db
         by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
         for kind, request_id, values in outcomes:
             by_kind.setdefault(kind, []).append((request_id, values))
-        applied: set[int] = set()
+        applied: dict[int, str] = {}
         for kind, entries in by_kind.items():
-            width = 1 + len(entries[0][1])
+            width = 2 + len(entries[0][1])
+            sets = _SETS[kind].format(now=f"v.column{width}")
             per_statement = max(1, 900 // width)
             for start in range(0, len(entries), per_statement):
                 chunk = entries[start : start + per_statement]
                 row = "(" + ",".join("?" * width) + ")"
-                params = [p for request_id, values in chunk for p in (request_id, *values)]
+                params = [p for request_id, values in chunk for p in (request_id, *values, now)]
                 applied.update(
-                    request_id
-                    for (request_id,) in db.execute(
-                        f"UPDATE tickler_requests SET {_SETS[kind]}, owner = NULL,"  # noqa: S608
+                    db.execute(
+                        f"UPDATE tickler_requests SET {sets}, owner = NULL,"  # noqa: S608
                         f" lease_until = NULL FROM (VALUES {','.join([row] * len(chunk))}) AS v"
                         " WHERE tickler_requests.id = v.column1 AND owner = ?"
-                        " AND state = 'running' RETURNING tickler_requests.id",
+                        " AND state = 'running' RETURNING tickler_requests.id, state",
                         [*params, owner],
-                    )
+                    ).fetchall()
                 )
-        return [request_id in applied for _, request_id, _ in outcomes]
+        return [applied.get(request_id) for _, request_id, _ in outcomes]
 
     def _finals(self, ids: Sequence[int]) -> Iterable[Row]:
         for start in range(0, len(ids), 500):
@@ -486,6 +513,8 @@ class Connection:
 
     def lookup(self, queue: str, id_or_key: object) -> Row | None:
         if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+            if not 0 < id_or_key < 2**63:
+                return None
             found = self.db.execute(f"{_ROW} WHERE queue = ? AND id = ?", (queue, id_or_key))
         else:
             key = encode_key(id_or_key)
@@ -507,6 +536,9 @@ class Connection:
         try:
             args: tuple[object, ...]
             if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+                if not 0 < id_or_key < 2**63:
+                    db.execute("COMMIT")
+                    return False, None
                 where, args = "id = ?", (id_or_key,)
             else:
                 where, args = "key = ?", (encode_key(id_or_key),)

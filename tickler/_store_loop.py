@@ -70,6 +70,12 @@ class StoreRun:
     # The cancel scope of each running attempt, and why the loop cancelled it.
     scopes: dict[int, trio.CancelScope] = attrs.Factory(dict)
     reasons: dict[int, str] = attrs.Factory(dict)
+    # Requests claimed by this process whose outcome is not written yet.
+    local: set[int] = attrs.Factory(set)
+    # The time from which the next look asks which requests became final.
+    finals_since: float = 0.0
+    # Looks at the store so far (renewals, cancels, outcomes from elsewhere).
+    checks: int = 0
     # Tickets waiting for requests that run elsewhere (a live key, a lost lease).
     watched: dict[int, list[Ticket[Any, Any]]] = attrs.Factory(dict)
     # Set after each commit; submit() waits for the batch holding its request.
@@ -114,6 +120,7 @@ class StoreRun:
             renew=check,
             watched=list(self.watched) if check else (),
             prune=check,
+            finished_since=self.finals_since if check else None,
         )
         if check:
             store = self.store

@@ -1,0 +1,196 @@
+"""SqliteStore edges found by trying to break it; each test failed before its fix."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import tickler
+
+FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
+
+
+def store_at(tmp_path: Path, **options: Any) -> tickler.SqliteStore:
+    return tickler.SqliteStore(tmp_path / "queue.db", **{**FAST, **options})
+
+
+def rows(path: Path) -> list[Any]:
+    connection = sqlite3.connect(path)
+    try:
+        return connection.execute("SELECT id, state, owner FROM tickler_requests").fetchall()
+    finally:
+        connection.close()
+
+
+async def echo(request: Any) -> Any:
+    return request
+
+
+async def settled(service: tickler.Service[Any, Any]) -> Any:
+    """Wait until the loop has taken its first look at the store and sleeps in receive()."""
+    stored = service._store_run
+    assert stored is not None
+    with trio.fail_after(5):
+        while stored.checks == 0 or stored.committing:
+            await trio.sleep(0.005)
+    await trio.testing.wait_all_tasks_blocked()
+    return stored
+
+
+async def test_cancelling_a_waiting_request_finishes_its_ticket(tmp_path: Path) -> None:
+    """Regression: the row was cancelled, the ticket stayed SCHEDULED for ever."""
+    async with tickler.open_service(echo, store=store_at(tmp_path), name="jobs") as service:
+        ticket = await service.submit(1, delay=60)
+        assert await service.cancel(ticket.id)
+        with trio.fail_after(5), pytest.raises(tickler.RequestCancelled):
+            await ticket.wait()
+        assert ticket.status is tickler.Status.CANCELLED
+
+
+async def test_a_ticket_follows_its_request_run_by_another_service(tmp_path: Path) -> None:
+    """Regression: another process (here, another service) ran it; the ticket never ended."""
+    gate = trio.Event()
+
+    async def blocked(request: str) -> str:
+        await gate.wait()
+        return request
+
+    async def shout(request: str) -> str:
+        return request.upper()
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(blocked, store=store, name="jobs", capacity=1) as a:
+        await a.submit("blocker")  # a's only slot is taken: it claims nothing more
+        with trio.fail_after(5):
+            while a.statistics().in_flight < 1:
+                await trio.sleep(0.01)
+        ticket = await a.submit("hello")
+        async with tickler.open_service(shout, store=store, name="jobs") as b:
+            with trio.fail_after(5):
+                assert await ticket.wait() == "HELLO"
+            assert b.statistics().succeeded == 1
+        gate.set()
+
+
+async def test_an_error_message_the_store_cannot_encode_still_fails_the_request(
+    tmp_path: Path,
+) -> None:
+    """Regression: a lone surrogate in the message crashed the loop and lost requests."""
+
+    async def bad(request: int) -> int:
+        if request == 0:
+            raise ValueError(b"caf\xe9".decode("utf-8", "surrogateescape"))
+        return request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(
+        bad, store=store, name="jobs", on_error=lambda t, e: None
+    ) as service:
+        ticket = await service.submit(0)
+        with pytest.raises(ValueError):
+            await ticket.wait()
+        found = await service.lookup(ticket.id)
+        assert found is not None
+        with pytest.raises(tickler.RequestFailed, match=r"caf\\udce9"):
+            found.result()
+        assert await (await service.submit(1)).wait() == 1
+
+
+async def test_a_cancel_before_the_first_batch_still_commits_everything(tmp_path: Path) -> None:
+    """Regression: the batch raised Cancelled before it ran, and its requests were dropped."""
+    store = store_at(tmp_path, poll_interval=30)
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(echo, store=store, name="jobs")
+        await nursery.start(service.run)
+        await settled(service)
+        # The loop is woken with the requests to commit, and its run is
+        # cancelled before it gets to run: its next batch meets the cancel.
+        tickets = [service.enqueue_request(i) for i in range(8)]
+        nursery.cancel_scope.cancel()
+    assert all(t.id != 0 for t in tickets)
+    assert len(rows(store.path)) == 8
+    assert all(owner is None for _, _, owner in rows(store.path))
+
+
+async def test_a_stop_while_a_claim_is_in_flight_hands_the_claim_back(tmp_path: Path) -> None:
+    """Regression: claimed rows arrived after stop(drain=False) had emptied the queue: a hang."""
+
+    async def forever(request: int) -> None:
+        await trio.sleep_forever()
+
+    store = store_at(tmp_path, poll_interval=30)
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(forever, store=store, name="jobs")
+        await nursery.start(service.run)
+        stored = await settled(service)
+        service.enqueue_request(1)  # the next batch commits and claims it
+        with trio.fail_after(5):
+            while not stored.committing:
+                await trio.lowlevel.checkpoint()
+            await service.stop(drain=False)
+    assert rows(store.path) == [(1, "queued", None)]
+
+
+async def test_stop_without_drain_from_a_handler_spares_the_caller(tmp_path: Path) -> None:
+    """Regression: the handler's own attempt was taken away and ran again at every start."""
+
+    async def stopper(request: str) -> str:
+        if request == "stop":
+            await tickler.current_service().stop(drain=False)
+        return request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(stopper, store=store, name="jobs") as service:
+        ticket = await service.submit("stop")
+        with trio.fail_after(5):
+            assert await ticket.wait() == "stop"
+    assert rows(store.path) == [(1, "succeeded", None)]
+
+
+async def test_a_cancel_asked_for_is_not_undone_by_a_stop(tmp_path: Path) -> None:
+    """Regression: a stop handed the request back, and it ran again at the next start."""
+
+    async def forever(request: int) -> None:
+        await trio.sleep_forever()
+
+    store = store_at(tmp_path, poll_interval=60)  # the owner does not look again soon
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(forever, store=store, name="jobs")
+        await nursery.start(service.run)
+        ticket = await service.submit(1)
+        with trio.fail_after(5):
+            while service.statistics().in_flight < 1:
+                await trio.sleep(0.01)
+        # Another process asks for the cancel, through its own connection.
+        other = await trio.to_thread.run_sync(store.connect)
+        assert await trio.to_thread.run_sync(other.cancel, "jobs", ticket.id) == (True, 1)
+        other.close()
+        await service.stop(drain=False)
+    assert rows(store.path) == [(1, "cancelled", None)]
+    assert ticket.status is tickler.Status.CANCELLED
+
+
+async def test_join_looks_at_the_store_afresh(tmp_path: Path) -> None:
+    """Regression: join trusted the last look, and returned with a row just committed."""
+    store = store_at(tmp_path, poll_interval=30)
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        await (await service.submit(0)).wait()
+        connection = sqlite3.connect(store.path)
+        with connection:
+            store.enqueue_in(connection, "jobs", 1)
+        connection.close()
+        with trio.fail_after(5):
+            await service.join()
+        assert (await service.store_statistics())["succeeded"] == 2
+
+
+async def test_ids_out_of_range_are_not_found(tmp_path: Path) -> None:
+    async with tickler.open_service(echo, store=store_at(tmp_path), name="jobs") as service:
+        assert await service.lookup(2**70) is None
+        assert not await service.cancel(2**70)
+        assert await service.lookup(-1) is None
