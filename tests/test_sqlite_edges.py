@@ -92,7 +92,7 @@ async def test_an_error_message_the_store_cannot_encode_still_fails_the_request(
         bad, store=store, name="jobs", on_error=lambda t, e: None
     ) as service:
         ticket = await service.submit(0)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="caf"):
             await ticket.wait()
         found = await service.lookup(ticket.id)
         assert found is not None
