@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -450,3 +451,91 @@ async def test_the_readmes_insert_for_other_drivers(tmp_path: Path) -> None:
             while (found := await service.lookup(1)) is None or not found.done:
                 await trio.sleep(0.02)
         assert found.result() == 42
+
+
+async def test_a_renewal_that_finds_the_lease_gone_cancels_the_attempt(tmp_path: Path) -> None:
+    """Another process took the request over: this attempt is cancelled, its outcome dropped."""
+    cancelled = trio.Event()
+
+    async def patient(request: int) -> int:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+        raise AssertionError("unreachable")
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(patient, store=store, name="jobs") as service:
+        ticket = await service.submit(1)
+        with trio.fail_after(5):
+            while service.statistics().in_flight < 1:
+                await trio.sleep(0.01)
+        # Another owner holds the lease now, and will finish the request.
+        connection = sqlite3.connect(store.path)
+        with connection:
+            connection.execute("UPDATE tickler_requests SET owner = 'elsewhere' WHERE id = 1")
+        with trio.fail_after(5):
+            await cancelled.wait()
+        assert not ticket.done  # it waits for the other owner's outcome
+        with connection:
+            connection.execute(
+                "UPDATE tickler_requests SET state = 'succeeded', result = ?,"
+                " finished_at = ?, owner = NULL WHERE id = 1",
+                (b"7", time.time()),
+            )
+        connection.close()
+        with trio.fail_after(5):
+            assert await ticket.wait() == 7
+    assert service.statistics().succeeded == 0  # not this process's outcome
+
+
+async def test_attempts_and_retries_survive_a_restart(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    async def always_down(request: int) -> None:
+        calls.append(request)
+        raise ConnectionError("down")
+
+    retry = tickler.Retry(attempts=None, initial=0.05, jitter=False)
+    store = store_at(tmp_path)
+    async with trio.open_nursery() as nursery:
+        first = tickler.Service(always_down, store=store, name="jobs", retry=retry)
+        await nursery.start(first.run)
+        ticket = await first.submit(1)
+        with trio.fail_after(5):
+            while len(calls) < 3:
+                await trio.sleep(0.01)
+        await first.stop(drain=False)
+    attempts_before = rows(store.path)[0][2]
+    assert attempts_before >= 3
+
+    async def up(request: int) -> str:
+        return "up"
+
+    async with tickler.open_service(up, store=store, name="jobs", retry=retry) as second:
+        await second.join()
+        found = await second.lookup(ticket.id)
+    assert found is not None
+    assert found.result() == "up"
+    assert found.attempts == attempts_before + 1
+
+
+async def test_another_process_holding_the_write_lock_is_waited_for(tmp_path: Path) -> None:
+    """SQLITE_BUSY: the batch waits on the busy timeout; submit returns once it commits."""
+    store = store_at(tmp_path)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        await (await service.submit(0)).wait()
+        locker = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
+        locker.execute("BEGIN IMMEDIATE")
+        release_at = trio.current_time() + 0.5
+
+        async def release() -> None:
+            await trio.sleep_until(release_at)
+            locker.execute("COMMIT")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(release)
+            ticket = await service.submit(21)
+            assert trio.current_time() >= release_at
+        locker.close()
+        assert await ticket.wait() == 42
