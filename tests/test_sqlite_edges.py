@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,53 @@ async def test_ids_out_of_range_are_not_found(tmp_path: Path) -> None:
         assert await service.lookup(2**70) is None
         assert not await service.cancel(2**70)
         assert await service.lookup(-1) is None
+
+
+async def test_a_zero_retention_does_not_strand_a_ticket(tmp_path: Path) -> None:
+    """Regression: the row was pruned in the same look that reported it final; wait hung."""
+    store = store_at(tmp_path, retention=0)
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        ticket = await service.submit(1, delay=60)
+        assert await service.cancel(ticket.id)
+        with trio.fail_after(5), pytest.raises(tickler.RequestCancelled):
+            await ticket.wait()
+        with trio.fail_after(5):
+            await service.join()
+
+
+async def test_a_result_this_process_cannot_decode_fails_only_its_ticket(
+    tmp_path: Path,
+) -> None:
+    """Regression: another process's result in another codec crashed this service's run."""
+    store = store_at(tmp_path)
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        ticket = await service.submit(1, delay=60)
+        connection = sqlite3.connect(store.path)
+        with connection:  # another process ran it, and pickled its result
+            connection.execute(
+                "UPDATE tickler_requests SET state = 'succeeded', result = ?,"
+                " finished_at = ? WHERE id = ?",
+                (b"\x80\x04K\x01.", time.time(), ticket.id),
+            )
+        connection.close()
+        with trio.fail_after(5), pytest.raises(UnicodeDecodeError):
+            await ticket.wait()
+        assert await (await service.submit(2)).wait() == 2
+
+
+async def test_an_outcome_the_look_missed_is_found_by_the_sweep(tmp_path: Path) -> None:
+    """Regression: a row final with a finished_at before the look's window (a clock step
+    back) was never reported, and its ticket never ended; every 30 looks sweep them."""
+    store = store_at(tmp_path, poll_interval=0.02)
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        ticket = await service.submit(1, delay=60)
+        connection = sqlite3.connect(store.path)
+        with connection:
+            connection.execute(
+                "UPDATE tickler_requests SET state = 'succeeded', result = ?,"
+                " finished_at = ? WHERE id = ?",
+                (b"5", time.time() - 30, ticket.id),  # before any look's window
+            )
+        connection.close()
+        with trio.fail_after(10):
+            assert await ticket.wait() == 5

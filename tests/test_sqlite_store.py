@@ -486,6 +486,9 @@ async def test_a_renewal_that_finds_the_lease_gone_cancels_the_attempt(tmp_path:
         connection.close()
         with trio.fail_after(5):
             assert await ticket.wait() == 7
+        stored = service._store_run
+        assert stored is not None
+        assert not stored.local  # (regression: lost attempts stayed in it)
     assert service.statistics().succeeded == 0  # not this process's outcome
 
 

@@ -14,6 +14,7 @@ import trio
 from ._core import (
     _CANCELLED,
     _EMPTY_CONTEXT,
+    _FAILED,
     _QUEUED,
     _RETRYING,
     _RUNNING,
@@ -29,8 +30,8 @@ from ._core import (
 )
 from ._exceptions import ServiceClosed
 from ._processors import _ATTEMPTS, _Processors, _Slot
-from ._sqlite import BatchResult
-from ._store_loop import Outcome, Pending, StoreRun, wall_clock
+from ._sqlite import BatchResult, Row
+from ._store_loop import Outcome, Pending, RequestFailed, StoreRun, wall_clock
 from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
 
 _T = TypeVar("_T")
@@ -286,13 +287,42 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._queue.append(ticket)
                 self._peak = max(self._peak, queue_length + 1)
         for row in result.finals:
-            for ticket in stored.watched.pop(row.id, ()):
+            followers = stored.watched.pop(row.id, [])
+            swept = stored.tickets.get(row.id)
+            if swept is not None and row.id not in stored.local:
+                # Found by the periodic sweep: it ended by another hand.
+                del stored.tickets[row.id]
+                followers.append(swept)
+            for ticket in followers:
                 if not ticket.done:
-                    status, _, final = stored.decode_row(row)
-                    self._finish(ticket, status, final)
+                    self._finish(ticket, *self._decoded(stored, row))
+        for request_id in result.missing:
+            lost = RequestFailed(
+                "RowDeleted",
+                "the request ended, but its row was deleted (retention) before this"
+                " process read its outcome",
+                "",
+            )
+            gone = stored.watched.pop(request_id, [])
+            swept = stored.tickets.get(request_id)
+            if swept is not None and request_id not in stored.local:
+                del stored.tickets[request_id]
+                gone.append(swept)
+            for ticket in gone:
+                if not ticket.done:
+                    self._finish(ticket, _FAILED, (now, lost, None, None))
 
         stored.next_due = result.next_due
         stored.live = result.live
+
+    @staticmethod
+    def _decoded(stored: StoreRun, row: Row) -> tuple[Status, tuple[Any, ...]]:
+        """A final row as a ticket's status and final state (FAILED if it cannot be decoded)."""
+        try:
+            status, _, final = stored.decode_row(row)
+        except Exception as exc:
+            return _FAILED, (row.finished_at, exc, exc.__traceback__, None)
+        return status, final
 
     def _check_leases(self, stored: StoreRun, mine: dict[int, bool]) -> None:
         """Take away attempts whose lease is gone or whose request was cancelled."""
@@ -311,6 +341,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         for ticket in waiting:
             if ticket.id not in mine:
                 stored.tickets.pop(ticket.id, None)
+                stored.local.discard(ticket.id)
                 stored.watched.setdefault(ticket.id, []).append(ticket)
             elif mine[ticket.id]:
                 self._record("cancelled", ticket, (wall_clock(),))

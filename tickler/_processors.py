@@ -495,6 +495,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             if exc.reason == "lost":
                 # Another process holds the request now: wait for its outcome.
                 run.tickets.pop(ticket.id, None)
+                run.local.discard(ticket.id)
                 run.watched.setdefault(ticket.id, []).append(ticket)
                 ticket.status = Status.QUEUED
                 return

@@ -238,6 +238,8 @@ class BatchResult:
     pruned: int = 0
     now: float = 0.0
     """The transaction's time."""
+    missing: list[int] = attrs.Factory(list)
+    """Watched ids with no row at all: deleted by a retention before they were read."""
     recent: list[int] = attrs.Factory(list)
     """With finished_since: the ids that became final since then."""
     live: int = 0
@@ -422,12 +424,18 @@ class Connection:
             result.live = db.execute(_ANY_LIVE, (queue, queue)).fetchone()[0]
             if batch.watched:
                 result.finals = list(self._finals(batch.watched))
+                found = {row.id for row in result.finals}
+                result.missing = [i for i in batch.watched if i not in found and not self._has(i)]
+            cutoff = now - retention
             if batch.finished_since is not None:
                 result.recent = [
                     row[0] for row in db.execute(_RECENT, (queue, batch.finished_since))
                 ]
+                # What this look reports as recent is read at the next look:
+                # keep it until then, whatever the retention.
+                cutoff = min(cutoff, batch.finished_since)
             if batch.prune:
-                result.pruned = db.execute(_PRUNE, (now - retention, PRUNE_BATCH)).rowcount
+                result.pruned = db.execute(_PRUNE, (cutoff, PRUNE_BATCH)).rowcount
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -502,6 +510,10 @@ class Connection:
                     ).fetchall()
                 )
         return [applied.get(request_id) for _, request_id, _ in outcomes]
+
+    def _has(self, request_id: int) -> bool:
+        found = self.db.execute("SELECT 1 FROM tickler_requests WHERE id = ?", (request_id,))
+        return found.fetchone() is not None
 
     def _finals(self, ids: Sequence[int]) -> Iterable[Row]:
         for start in range(0, len(ids), 500):

@@ -21,6 +21,8 @@ from ._exceptions import TicklerError
 from ._sqlite import Batch, BatchResult, Connection, Row, SqliteStore
 from ._ticket import Status, Ticket
 
+SWEEP_EVERY = 30
+
 # (ticket, key text, state, encoded request, run_at)
 Pending = tuple[Ticket[Any, Any], str | None, str, bytes, float]
 # (kind, ticket, values for its row, what the ticket gets once written)
@@ -118,7 +120,7 @@ class StoreRun:
             outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
             claim=claim if self.claiming else 0,
             renew=check,
-            watched=list(self.watched) if check else (),
+            watched=self._watch_list() if check else (),
             prune=check,
             finished_since=self.finals_since if check else None,
         )
@@ -132,6 +134,18 @@ class StoreRun:
         with lock:
             self.pending[:0] = pending
         self.outcomes[:0] = outcomes
+
+    def _watch_list(self) -> list[int]:
+        """The ids whose final state the next look asks for.
+
+        Those followed from elsewhere; and, every SWEEP_EVERY looks, every
+        ticket of this process that does not run here, should a look at what
+        became final have missed it (a step back of the wall clock, say).
+        """
+        ids = list(self.watched)
+        if self.checks % SWEEP_EVERY == SWEEP_EVERY - 1:
+            ids.extend(i for i in self.tickets if i not in self.local and i not in self.watched)
+        return ids
 
     async def run_batch(self, queue: str, batch: Batch) -> BatchResult:
         connection = self.connection
