@@ -245,3 +245,46 @@ async def test_an_outcome_the_look_missed_is_found_by_the_sweep(tmp_path: Path) 
         connection.close()
         with trio.fail_after(10):
             assert await ticket.wait() == 5
+
+
+async def test_a_stops_deadline_holds_while_the_store_keeps_failing(tmp_path: Path) -> None:
+    """Regression: while its batches failed, the loop never looked at the stop's deadline,
+    so a handler that never returns was cancelled only once the store came back."""
+    cancelled_at: list[float] = []
+
+    async def forever(request: int) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled_at.append(trio.current_time())
+
+    store = store_at(tmp_path)
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(forever, store=store, name="jobs")
+        await nursery.start(service.run)
+        await service.submit(0)
+        with trio.fail_after(5):
+            while service.statistics().in_flight < 1:
+                await trio.sleep(0.01)
+        stored = service._store_run
+        assert stored is not None
+        assert stored.connection is not None
+        db = stored.connection.db
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        for i in range(1, 300):
+            service.enqueue_request(i)
+        with trio.fail_after(5):
+            while stored.failures < 1:
+                await trio.sleep(0.01)
+
+        async def recover() -> None:
+            await trio.sleep(2.0)  # the final flush then commits what was accepted
+            db.execute("PRAGMA max_page_count = 1073741823")
+
+        nursery.start_soon(recover)
+        stop_at = trio.current_time()
+        with trio.fail_after(10):
+            handed_back = await service.stop(timeout=0.3)
+    assert cancelled_at[0] - stop_at < 1.0  # at the deadline, not when the store came back
+    assert [t.request for t in handed_back] == [0]
+    assert len(rows(store.path)) == 300

@@ -152,7 +152,13 @@ class _Loop(_Processors[RequestT, ResultT]):
                             stored.failures + 1,
                             delay,
                         )
-                        await trio.sleep(delay)
+                        # A stop's deadline still holds: the final flush
+                        # then keeps trying to commit what was accepted.
+                        now = self._time()
+                        assert now is not None
+                        if self._stop_called and now >= self._stop_deadline:
+                            self._expire()
+                        await trio.sleep_until(min(now + delay, self._stop_deadline))
                         continue
                     stored.failures = 0
                     if batch.finished_since is not None:
