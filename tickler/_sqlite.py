@@ -361,7 +361,7 @@ class Connection:
                     f"{path} holds tables that are not tickler's; give tickler a file of its own"
                 )
             db.execute("BEGIN IMMEDIATE")
-            try:
+            try:  # (schema creation is SQLite's own; PostgresConnection has its own)
                 # Another process may have created it meanwhile.
                 if db.execute(
                     "SELECT 1 FROM sqlite_master WHERE name = 'tickler_schema'"
@@ -383,6 +383,28 @@ class Connection:
                 f" version {SCHEMA_VERSION}"
             )
 
+    # -- what a dialect provides (PostgresConnection has its own)
+
+    claim_sql = _CLAIM
+    lock_rows = ""  # SQLite locks the whole file for a writer: no row locks to ask for
+
+    def _x(self, sql: str, params: Any = ()) -> Any:
+        """Execute one statement, written with ? and :name placeholders."""
+        return self.db.execute(sql, params)
+
+    def _begin(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        self.db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+    def _notify_if(self, batch: Batch, queue: str) -> None:
+        """Tell other processes there is new work: nothing to do for a file."""
+
     def close(self) -> None:
         self.db.close()
 
@@ -397,19 +419,19 @@ class Connection:
         ``("cancelled", id, (finished_at,))`` and ``("handed_back", id, (run_at,))``;
         each applies only while ``owner`` still holds the request's lease.
         """
-        db = self.db
+        x = self._x
         result = BatchResult()
-        db.execute("BEGIN IMMEDIATE")
+        self._begin()
         try:
             now = result.now = time.time()
             result.inserted = self._insert(queue, batch.inserts, now)
             result.applied = self._write_outcomes(owner, batch.outcomes, now)
             if batch.renew:
-                db.execute(_RENEW, (now + lease, queue, owner))
-                result.mine = {row[0]: bool(row[1]) for row in db.execute(_MINE, (queue, owner))}
+                x(_RENEW, (now + lease, queue, owner))
+                result.mine = {row[0]: bool(row[1]) for row in x(_MINE, (queue, owner))}
             if batch.claim:
-                rows = db.execute(
-                    _CLAIM,
+                rows = x(
+                    self.claim_sql,
                     {
                         "owner": owner,
                         "lease_until": now + lease,
@@ -420,26 +442,24 @@ class Connection:
                 ).fetchall()
                 rows.sort(key=lambda row: (row[5], row[0]))
                 result.claimed = [Claimed(row[0], row[1], row[2], row[3]) for row in rows]
-            result.next_due = db.execute(_NEXT_DUE, (queue,)).fetchone()[0]
-            result.live = db.execute(_ANY_LIVE, (queue, queue)).fetchone()[0]
+            result.next_due = x(_NEXT_DUE, (queue,)).fetchone()[0]
+            result.live = int(x(_ANY_LIVE, (queue, queue)).fetchone()[0])
             if batch.watched:
                 result.finals = list(self._finals(batch.watched))
                 found = {row.id for row in result.finals}
                 result.missing = [i for i in batch.watched if i not in found and not self._has(i)]
             cutoff = now - retention
             if batch.finished_since is not None:
-                result.recent = [
-                    row[0] for row in db.execute(_RECENT, (queue, batch.finished_since))
-                ]
+                result.recent = [row[0] for row in x(_RECENT, (queue, batch.finished_since))]
                 # What this look reports as recent is read at the next look:
                 # keep it until then, whatever the retention.
                 cutoff = min(cutoff, batch.finished_since)
             if batch.prune:
-                result.pruned = db.execute(_PRUNE, (cutoff, PRUNE_BATCH)).rowcount
-            db.execute("COMMIT")
+                result.pruned = x(_PRUNE, (cutoff, PRUNE_BATCH)).rowcount
+            self._notify_if(batch, queue)
+            self._commit()
         except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            self._rollback()
             raise
         return result
 
@@ -447,7 +467,7 @@ class Connection:
         self, queue: str, inserts: list[tuple[str | None, str, bytes, float]], now: float
     ) -> list[tuple[int, bool]]:
         """Insert in order; requests without a key many to a statement."""
-        db = self.db
+        x = self._x
         inserted: list[tuple[int, bool]] = []
         plain: list[tuple[str | None, str, bytes, float]] = []
 
@@ -460,7 +480,7 @@ class Connection:
                 ]
                 # Only placeholders are formatted into the statement.
                 sql = f"{_INSERT_MANY} {marks} RETURNING id"
-                ids = db.execute(sql, params).fetchall()
+                ids = x(sql, params).fetchall()
                 # One statement allocates ids in the order of its rows.
                 inserted.extend((request_id, True) for (request_id,) in sorted(ids))
             plain.clear()
@@ -471,11 +491,11 @@ class Connection:
                 plain.append(entry)
                 continue
             flush()
-            found = db.execute(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
+            found = x(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
             if found is not None:
                 inserted.append((found[0], True))
             else:
-                live = db.execute(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
+                live = x(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
                 inserted.append((live[0], False))
         flush()
         return inserted
@@ -487,7 +507,7 @@ class Connection:
 
         Returns the state each outcome wrote, or None where the lease was gone.
         """
-        db = self.db
+        x = self._x
         by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
         for kind, request_id, values in outcomes:
             by_kind.setdefault(kind, []).append((request_id, values))
@@ -501,7 +521,7 @@ class Connection:
                 row = "(" + ",".join("?" * width) + ")"
                 params = [p for request_id, values in chunk for p in (request_id, *values, now)]
                 applied.update(
-                    db.execute(
+                    x(
                         f"UPDATE tickler_requests SET {sets}, owner = NULL,"  # noqa: S608
                         f" lease_until = NULL FROM (VALUES {','.join([row] * len(chunk))}) AS v"
                         " WHERE tickler_requests.id = v.column1 AND owner = ?"
@@ -512,7 +532,7 @@ class Connection:
         return [applied.get(request_id) for _, request_id, _ in outcomes]
 
     def _has(self, request_id: int) -> bool:
-        found = self.db.execute("SELECT 1 FROM tickler_requests WHERE id = ?", (request_id,))
+        found = self._x("SELECT 1 FROM tickler_requests WHERE id = ?", (request_id,))
         return found.fetchone() is not None
 
     def _finals(self, ids: Sequence[int]) -> Iterable[Row]:
@@ -520,17 +540,17 @@ class Connection:
             chunk = list(ids[start : start + 500])
             marks = ",".join("?" * len(chunk))
             sql = f"{_ROW} WHERE id IN ({marks}) AND state IN ('succeeded', 'failed', 'cancelled')"
-            for row in self.db.execute(sql, chunk):
+            for row in self._x(sql, chunk):
                 yield Row(*row)
 
     def lookup(self, queue: str, id_or_key: object) -> Row | None:
         if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
             if not 0 < id_or_key < 2**63:
                 return None
-            found = self.db.execute(f"{_ROW} WHERE queue = ? AND id = ?", (queue, id_or_key))
+            found = self._x(f"{_ROW} WHERE queue = ? AND id = ?", (queue, id_or_key))
         else:
             key = encode_key(id_or_key)
-            found = self.db.execute(
+            found = self._x(
                 f"{_ROW} WHERE queue = ? AND key = ? ORDER BY state NOT IN"
                 " ('queued', 'scheduled', 'running', 'retrying'), id DESC LIMIT 1",
                 (queue, key),
@@ -543,45 +563,42 @@ class Connection:
 
         Returns whether a live request was found, and its id.
         """
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
+        x = self._x
+        self._begin()
         try:
             args: tuple[object, ...]
             if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
                 if not 0 < id_or_key < 2**63:
-                    db.execute("COMMIT")
+                    self._commit()
                     return False, None
                 where, args = "id = ?", (id_or_key,)
             else:
                 where, args = "key = ?", (encode_key(id_or_key),)
-            row = db.execute(
+            row = x(
                 f"SELECT id, state FROM tickler_requests WHERE queue = ? AND {where}"  # noqa: S608
-                " AND state IN ('queued', 'scheduled', 'running', 'retrying')",
+                f" AND state IN ('queued', 'scheduled', 'running', 'retrying'){self.lock_rows}",
                 (queue, *args),
             ).fetchone()
             if row is None:
-                db.execute("COMMIT")
+                self._commit()
                 return False, None
             request_id, state = row
             if state == "running":
-                db.execute(
-                    "UPDATE tickler_requests SET cancel_requested = 1 WHERE id = ?", (request_id,)
-                )
+                x("UPDATE tickler_requests SET cancel_requested = TRUE WHERE id = ?", (request_id,))
             else:
-                db.execute(
+                x(
                     "UPDATE tickler_requests SET state = 'cancelled', finished_at = ? WHERE id = ?",
                     (time.time(), request_id),
                 )
-            db.execute("COMMIT")
+            self._commit()
         except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            self._rollback()
             raise
         return True, request_id
 
     def statistics(self, queue: str) -> dict[str, int]:
         counts = dict.fromkeys((*LIVE, *FINAL), 0)
-        for state, count in self.db.execute(
+        for state, count in self._x(
             "SELECT state, count(*) FROM tickler_requests WHERE queue = ? GROUP BY state", (queue,)
         ):
             counts[state] = count
