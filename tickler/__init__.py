@@ -9,6 +9,7 @@ from ._exceptions import RequestCancelled as RequestCancelled
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
+from ._postgres import PostgresStore as PostgresStore
 from ._processors import current_service as current_service
 from ._processors import current_ticket as current_ticket
 from ._retry import Retry as Retry
@@ -23,6 +24,7 @@ from ._ticket import Ticket as Ticket
 __all__ = [
     "Codec",
     "JsonCodec",
+    "PostgresStore",
     "QueueFull",
     "RequestCancelled",
     "RequestFailed",

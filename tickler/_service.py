@@ -26,6 +26,7 @@ from ._core import (
     logger,
 )
 from ._loop import _Loop
+from ._postgres import PostgresStore
 from ._processors import _Parked
 from ._retry import Retry
 from ._sqlite import SqliteStore
@@ -93,7 +94,7 @@ class Service(_Loop[RequestT, ResultT]):
         retry: Retry | None = None,
         on_error: ErrorHook[RequestT, ResultT] | None = None,
         name: str = "tickler",
-        store: SqliteStore | None = None,
+        store: SqliteStore | PostgresStore | None = None,
         codec: Codec | None = None,
     ) -> None:
         if not callable(handler):
@@ -113,8 +114,8 @@ class Service(_Loop[RequestT, ResultT]):
             raise TypeError("on_error must be a plain function, not an async function")
         if not isinstance(name, str):
             raise TypeError("name must be a str")
-        if store is not None and not isinstance(store, SqliteStore):
-            raise TypeError("store must be a tickler.SqliteStore or None")
+        if store is not None and not isinstance(store, SqliteStore | PostgresStore):
+            raise TypeError("store must be a tickler.SqliteStore, a tickler.PostgresStore or None")
         if codec is not None:
             if store is None:
                 raise ValueError("codec is for a service with a store; give store= too")
@@ -283,7 +284,7 @@ async def open_service(
     retry: Retry | None = None,
     on_error: ErrorHook[RequestT, ResultT] | None = None,
     name: str = "tickler",
-    store: SqliteStore | None = None,
+    store: SqliteStore | PostgresStore | None = None,
     codec: Codec | None = None,
     shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Service[RequestT, ResultT]]:

@@ -332,6 +332,8 @@ _JSON = JsonCodec()
 class Connection:
     """One service's connection to the file. Used by one thread at a time."""
 
+    db: Any  # a sqlite3.Connection; PostgresConnection keeps a psycopg one
+
     def __init__(self, store: SqliteStore) -> None:
         path = store.path
         if path.is_dir():

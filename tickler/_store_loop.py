@@ -18,6 +18,7 @@ import trio
 
 from ._codec import Codec
 from ._exceptions import TicklerError
+from ._postgres import PostgresStore
 from ._sqlite import Batch, BatchResult, Connection, Row, SqliteStore
 from ._ticket import Status, Ticket
 
@@ -57,7 +58,7 @@ class Withdrawn(Exception):
 class StoreRun:
     """The state of one service's run against its store."""
 
-    store: SqliteStore
+    store: SqliteStore | PostgresStore
     codec: Codec
     owner: str = attrs.Factory(lambda: uuid.uuid4().hex)
     connection: Connection | None = None

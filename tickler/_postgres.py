@@ -1,0 +1,281 @@
+"""PostgresStore: one queue shared by many replicas, in a PostgreSQL schema.
+
+The batch logic is SqliteStore's (see _sqlite.Connection); this module gives
+it PostgreSQL's dialect: psycopg 3's synchronous connections on the service's
+worker thread, claims with FOR UPDATE SKIP LOCKED, a NOTIFY per batch that
+enqueues, and a reconnect when the server went away.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._codec import Codec, JsonCodec, encode_key
+from ._exceptions import StoreError
+from ._sqlite import (
+    _INSERT,
+    _LIVE_ID_OF_KEY,
+    SCHEMA_VERSION,
+    Batch,
+    Connection,
+    _positive,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+_SCHEMA = """
+CREATE TABLE tickler_schema (version INTEGER NOT NULL);
+CREATE TABLE tickler_requests (
+    id BIGSERIAL PRIMARY KEY,
+    queue TEXT NOT NULL,
+    key TEXT,
+    state TEXT NOT NULL,
+    request BYTEA NOT NULL,
+    result BYTEA,
+    error_type TEXT,
+    error_message TEXT,
+    error_traceback TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    run_at DOUBLE PRECISION NOT NULL,
+    enqueued_at DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION,
+    finished_at DOUBLE PRECISION,
+    owner TEXT,
+    lease_until DOUBLE PRECISION,
+    cancel_requested BOOLEAN NOT NULL DEFAULT FALSE
+) WITH (
+    -- A queue's rows are updated a few times and deleted: vacuum it early.
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02,
+    fillfactor = 70
+);
+CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
+    WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
+CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
+    WHERE state IN ('queued', 'scheduled', 'retrying');
+CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
+    WHERE state = 'running';
+CREATE INDEX tickler_finished ON tickler_requests (finished_at)
+    WHERE state IN ('succeeded', 'failed', 'cancelled')
+"""
+
+# One statement per wake-up: the oldest ready rows and the expired leases,
+# skipping rows another replica is claiming at this instant.
+_CLAIM = """
+UPDATE tickler_requests
+SET state = 'running', owner = :owner, lease_until = :lease_until,
+    attempts = attempts + 1, started_at = :now
+WHERE id IN (
+    SELECT id FROM tickler_requests
+    WHERE queue = :queue AND (
+        (state IN ('queued', 'scheduled', 'retrying') AND run_at <= :now)
+        OR (state = 'running' AND lease_until < :now)
+    )
+    ORDER BY run_at, id LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING id, request, attempts, key, enqueued_at, run_at
+"""
+
+_PLACEHOLDER = re.compile(r"\?|(?<!:):([a-z_]+)")
+
+
+def _psycopg_style(sql: str) -> str:
+    """SQLite's ? and :name placeholders as psycopg's %s and %(name)s."""
+    return _PLACEHOLDER.sub(lambda m: f"%({m.group(1)})s" if m.group(1) else "%s", sql)
+
+
+class PostgresStore:
+    """A durable queue in a PostgreSQL schema, shared by every replica that uses it.
+
+    Args:
+        dsn: a libpq connection string or URL.
+        lease: seconds a claimed request stays leased; renewed every
+            ``lease / 3`` while it runs.
+        poll_interval: seconds between looks for work, cancels and outcomes
+            from other replicas (NOTIFY wakes the loop sooner).
+        notify: send NOTIFY after a batch that enqueues; False for a pooler
+            in transaction mode, which then relies on polling.
+        schema: the schema holding tickler's tables, created on first use.
+        retention: seconds a final request is kept before it is deleted.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        lease: float = 30.0,
+        poll_interval: float = 1.0,
+        notify: bool = True,
+        schema: str = "tickler",
+        retention: float = 86400.0,
+    ) -> None:
+        if not isinstance(dsn, str):
+            raise TypeError("dsn must be a str")
+        if not isinstance(notify, bool):
+            raise TypeError("notify must be a bool")
+        if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
+            raise ValueError(
+                "schema must be a lower-case SQL identifier: letters, digits and _, at most 63"
+            )
+        self.dsn = dsn
+        self.lease = _positive("lease", lease)
+        self.poll_interval = _positive("poll_interval", poll_interval)
+        self.notify = notify
+        self.schema = schema
+        self.retention = _positive("retention", retention, allow_zero=True)
+        self._codecs: dict[str, Codec] = {}
+
+    def __repr__(self) -> str:
+        return f"tickler.PostgresStore(schema={self.schema!r})"
+
+    def connect(self) -> PostgresConnection:
+        """Connect, creating or checking the schema. Blocking: call it on a thread."""
+        return PostgresConnection(self)
+
+    def enqueue_in(
+        self,
+        connection: psycopg.Connection[Any],
+        queue: str,
+        request: object,
+        *,
+        key: object = None,
+        delay: float | None = None,
+    ) -> int:
+        """Write a request through the caller's psycopg connection, in its open transaction.
+
+        The request exists if and only if the caller commits. Returns its id,
+        or the live request's id if ``key`` is live.
+        """
+        import psycopg
+
+        if not isinstance(connection, psycopg.Connection):
+            raise TypeError("connection must be a psycopg.Connection")
+        if not isinstance(queue, str):
+            raise TypeError("queue must be a str")
+        key_text = encode_key(key) if key is not None else None
+        now = time.time()
+        run_at, state = now, "queued"
+        if delay is not None:
+            run_at += _positive("delay", delay, allow_zero=True)
+            state = "scheduled"
+        data = self._codecs.get(queue, JsonCodec()).encode(request)
+        qualified = f'"{self.schema}".tickler_requests'
+        insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
+        found = connection.execute(insert, (queue, key_text, state, data, run_at, now)).fetchone()
+        if found is None:
+            live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
+            found = connection.execute(live, (queue, key_text)).fetchone()
+        assert found is not None
+        if self.notify:
+            connection.execute("SELECT pg_notify(%s, %s)", (self.channel, queue))
+        return int(found[0])
+
+    @property
+    def channel(self) -> str:
+        """The NOTIFY channel of this schema."""
+        return f"tickler_{self.schema}"
+
+
+class PostgresConnection(Connection):
+    """One service's connection to the server, used by one thread at a time."""
+
+    claim_sql = _CLAIM
+    lock_rows = " FOR UPDATE"
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.pg_store = store
+        self.db = self._open()
+
+    def _open(self) -> psycopg.Connection[Any]:
+        import psycopg
+
+        store = self.pg_store
+        try:
+            db = psycopg.connect(store.dsn, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from None
+        try:
+            self._check_schema(db, store.schema)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    @staticmethod
+    def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:  # type: ignore[override]
+        with db.transaction():
+            # One replica creates the schema; the others wait for it here.
+            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"tickler:{schema}",))
+            db.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            tables = {
+                row[0]
+                for row in db.execute(
+                    "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                    (schema,),
+                )
+            }
+            if "tickler_schema" not in tables:
+                if tables:
+                    raise StoreError(
+                        f"schema {schema!r} holds tables that are not tickler's;"
+                        " give tickler a schema of its own"
+                    )
+                db.execute(f'SET LOCAL search_path TO "{schema}"')
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute("INSERT INTO tickler_schema VALUES (%s)", (SCHEMA_VERSION,))
+        db.execute(f'SET search_path TO "{schema}"')
+        row = db.execute("SELECT version FROM tickler_schema").fetchone()
+        if row is None or row[0] != SCHEMA_VERSION:
+            raise StoreError(
+                f"schema {schema!r} has tickler schema version {row and row[0]}; this tickler"
+                f" reads version {SCHEMA_VERSION}"
+            )
+
+    def _x(self, sql: str, params: Any = ()) -> Any:
+        return self.db.execute(_psycopg_style(sql), params)
+
+    def _begin(self) -> None:
+        if self.db.closed or self.db.broken:
+            # The server went away: the loop retried; connect again.
+            self.db = self._open()
+        self.db.execute("BEGIN")
+
+    def _commit(self) -> None:
+        self.db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        import psycopg
+
+        db = self.db
+        if not db.closed and not db.broken:
+            status = db.info.transaction_status
+            if status != psycopg.pq.TransactionStatus.IDLE:
+                db.execute("ROLLBACK")
+
+    def _notify_if(self, batch: Batch, queue: str) -> None:
+        # Once per batch, never per row: other replicas wake and claim.
+        if self.pg_store.notify and batch.inserts:
+            self.db.execute("SELECT pg_notify(%s, %s)", (self.pg_store.channel, queue))
+
+    def lookup(self, queue: str, id_or_key: object) -> Any:
+        self._reconnect_if_broken()
+        return super().lookup(queue, id_or_key)
+
+    def statistics(self, queue: str) -> dict[str, int]:
+        self._reconnect_if_broken()
+        return super().statistics(queue)
+
+    def _reconnect_if_broken(self) -> None:
+        if self.db.closed or self.db.broken:
+            self.db = self._open()
+
+    def close(self) -> None:
+        self.db.close()
