@@ -90,3 +90,48 @@ def enqueue_context(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
 
         monkeypatch.setattr(tickler.Service, "enqueue_request", enqueue_request)
     return str(request.param)
+
+
+# -- PostgreSQL: the machine's server if one runs, else a throwaway cluster ----
+
+LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def _local_postgres_runs() -> bool:
+    import os
+
+    import psycopg
+
+    if os.environ.get("TICKLER_TEST_THROWAWAY_POSTGRES"):  # to try the fallback here
+        return False
+    try:
+        psycopg.connect(LOCAL_POSTGRES, connect_timeout=2).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn(request: pytest.FixtureRequest) -> str:
+    """A DSN of a real PostgreSQL server for the store tests.
+
+    The server on 127.0.0.1:5432 when one runs; otherwise a cluster that
+    pytest-postgresql starts from the local binaries (pg_ctl) for the session.
+    """
+    if _local_postgres_runs():
+        return LOCAL_POSTGRES
+    proc = request.getfixturevalue("postgresql_proc")
+    return f"postgresql://{proc.user}@{proc.host}:{proc.port}/{proc.dbname}"
+
+
+@pytest.fixture
+def postgres_schema(postgres_dsn: str) -> Any:
+    """A fresh schema name for one test, dropped afterwards."""
+    import uuid
+
+    import psycopg
+
+    schema = f"tickler_test_{uuid.uuid4().hex[:12]}"
+    yield schema
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -18,9 +18,9 @@ Open = Callable[..., Any]
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 def open_service(request: pytest.FixtureRequest, tmp_path: Path) -> Open:
-    """open_service for the engine under test: in memory, or on a fresh SqliteStore file."""
+    """open_service for the engine under test: in memory, a SqliteStore file, or PostgreSQL."""
 
     @asynccontextmanager
     async def opened(handler: Any, **options: Any) -> AsyncIterator[tickler.Service[Any, Any]]:
@@ -28,6 +28,14 @@ def open_service(request: pytest.FixtureRequest, tmp_path: Path) -> Open:
             options.setdefault("name", "contract")
             options["store"] = tickler.SqliteStore(
                 tmp_path / "queue.db", lease=2.0, poll_interval=0.05
+            )
+        elif request.param == "postgres":
+            options.setdefault("name", "contract")
+            options["store"] = tickler.PostgresStore(
+                request.getfixturevalue("postgres_dsn"),
+                schema=request.getfixturevalue("postgres_schema"),
+                lease=2.0,
+                poll_interval=0.05,
             )
         async with tickler.open_service(handler, **options) as service:
             yield service
