@@ -1,7 +1,9 @@
 """A worker process for the store's crash and many-process tests.
 
     python -m tests.store_worker DB LOG [--capacity N] [--sleep S] [--lease L]
-        [--keys K] [--cancel-blocker]
+        [--keys K] [--cancel-blocker] [--schema S]
+
+DB is a SQLite file, or a postgresql:// DSN (then --schema names the schema).
 
 It runs the queue "jobs" until nothing of it is live, writing a line to LOG
 (fsync'd) when each attempt starts and ends. With --keys it first enqueues
@@ -47,7 +49,13 @@ async def main(args: argparse.Namespace) -> None:
         log(log_path, f"end {ticket.id} {request}")
         return request
 
-    store = tickler.SqliteStore(args.db, lease=args.lease, poll_interval=0.05)
+    store: tickler.SqliteStore | tickler.PostgresStore
+    if args.db.startswith("postgresql://"):
+        store = tickler.PostgresStore(
+            args.db, schema=args.schema, lease=args.lease, poll_interval=0.05
+        )
+    else:
+        store = tickler.SqliteStore(args.db, lease=args.lease, poll_interval=0.05)
     async with tickler.open_service(
         handler, store=store, name="jobs", capacity=args.capacity
     ) as service:
@@ -80,4 +88,5 @@ if __name__ == "__main__":
     parser.add_argument("--lease", type=float, default=30.0)
     parser.add_argument("--keys", type=int, default=0)
     parser.add_argument("--cancel-blocker", action="store_true")
+    parser.add_argument("--schema", default="tickler", help="with a postgresql:// DB")
     trio.run(main, parser.parse_args())
