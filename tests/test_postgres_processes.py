@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psycopg
+import psycopg.sql
 
 import tickler
 
@@ -34,7 +35,8 @@ def enqueue(dsn: str, schema: str, requests: list[str]) -> None:
 
 def states(dsn: str, schema: str) -> dict[int, str]:
     with psycopg.connect(dsn) as connection:
-        rows = connection.execute(f'SELECT id, state FROM "{schema}".tickler_requests')
+        table = psycopg.sql.Identifier(schema, "tickler_requests")
+        rows = connection.execute(psycopg.sql.SQL("SELECT id, state FROM {}").format(table))
         return {row[0]: row[1] for row in rows}
 
 
