@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import trio
@@ -106,7 +107,12 @@ class _Loop(_Processors[RequestT, ResultT]):
                 if stored is None:
                     await self._supervise()
                 else:
+                    listening = stored.store.listener(self.name)
+                    listener_scope = trio.CancelScope()
+                    if listening is not None:
+                        nursery.start_soon(self._listen, listening, listener_scope)
                     await self._supervise_store(stored)
+                    listener_scope.cancel()
         finally:
             if stored is not None:
                 # Whatever ended the run, commit what was accepted and hand
@@ -198,6 +204,21 @@ class _Loop(_Processors[RequestT, ResultT]):
         except BaseException:
             self._may_start = self._draining = False
             raise
+
+    async def _listen(self, listening: Any, scope: trio.CancelScope) -> None:
+        """Tickle the loop whenever the store says another process enqueued on this queue."""
+        token = trio.lowlevel.current_trio_token()
+
+        def wake() -> None:
+            if not listening.stopped:
+                with suppress(trio.RunFinishedError):
+                    token.run_sync_soon(self._tickle)
+
+        try:
+            with scope:
+                await trio.to_thread.run_sync(listening.run, wake, abandon_on_cancel=True)
+        finally:
+            listening.stop()
 
     def _apply_batch(
         self,

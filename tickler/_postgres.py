@@ -176,10 +176,46 @@ class PostgresStore:
             connection.execute("SELECT pg_notify(%s, %s)", (self.channel, queue))
         return int(found[0])
 
+    def listener(self, queue: str) -> Listener | None:
+        """A LISTEN on this schema's channel for ``queue``, or None with notify=False."""
+        return Listener(self, queue) if self.notify else None
+
     @property
     def channel(self) -> str:
         """The NOTIFY channel of this schema."""
         return f"tickler_{self.schema}"
+
+
+class Listener:
+    """LISTEN on a connection of its own, on a thread; calls ``wake`` per notification.
+
+    A lost connection is opened again after a second; the poll covers
+    whatever was notified meanwhile.
+    """
+
+    def __init__(self, store: PostgresStore, queue: str) -> None:
+        self.store = store
+        self.queue = queue
+        self.stopped = False
+
+    def run(self, wake: Any) -> None:
+        import psycopg
+        import psycopg.sql
+
+        listen = psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(self.store.channel))
+        while not self.stopped:
+            try:
+                with psycopg.connect(self.store.dsn, autocommit=True, connect_timeout=10) as db:
+                    db.execute(listen)
+                    while not self.stopped:
+                        for notice in db.notifies(timeout=0.5):
+                            if notice.payload == self.queue:
+                                wake()
+            except psycopg.Error:
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        self.stopped = True
 
 
 class PostgresConnection(Connection):

@@ -285,6 +285,10 @@ class SqliteStore:
     def __repr__(self) -> str:
         return f"tickler.SqliteStore({str(self.path)!r}, synchronous={self.synchronous!r})"
 
+    def listener(self, queue: str) -> None:
+        """Nothing tells a SQLite file's readers about new rows: they poll."""
+        return
+
     def connect(self) -> Connection:
         """Open the file, creating or checking its schema. Blocking: call it on a thread."""
         return Connection(self)

@@ -1,0 +1,86 @@
+"""PostgresStore specifics on a real server: wake-ups by NOTIFY, bad input, a restart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+
+import tickler
+
+
+async def double(request: int) -> int:
+    return request * 2
+
+
+def store(dsn: str, schema: str, **options: Any) -> tickler.PostgresStore:
+    return tickler.PostgresStore(dsn, schema=schema, **options)
+
+
+@pytest.mark.parametrize("notify", [True, False])
+async def test_a_notify_wakes_an_idle_replica_before_its_poll(
+    postgres_dsn: str, postgres_schema: str, notify: bool
+) -> None:
+    """Enqueued elsewhere: with notify the replica runs it at once; without, at its poll."""
+    queue = store(postgres_dsn, postgres_schema, poll_interval=3.0, notify=notify)
+    async with tickler.open_service(double, store=queue, name="jobs") as service:
+        await trio.sleep(0.3)  # the service's first look is behind it
+        with psycopg.connect(postgres_dsn) as connection:
+            request_id = queue.enqueue_in(connection, "jobs", 21)
+        started = trio.current_time()
+        with trio.fail_after(10):
+            while (found := await service.lookup(request_id)) is None or not found.done:
+                await trio.sleep(0.02)
+        waited = trio.current_time() - started
+        assert found.result() == 42
+        if notify:
+            assert waited < 1.0
+        else:
+            assert waited > 0.5  # only the poll found it
+
+
+async def test_bad_options_are_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="schema must be a lower-case SQL identifier"):
+        tickler.PostgresStore("postgresql://", schema='x"; DROP TABLE y; --')
+    with pytest.raises(TypeError, match="notify must be a bool"):
+        tickler.PostgresStore("postgresql://", notify=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lease must be > 0"):
+        tickler.PostgresStore("postgresql://", lease=0)
+
+
+async def test_a_dsn_that_cannot_connect_is_a_clear_error_from_run() -> None:
+    queue = tickler.PostgresStore("postgresql://nobody@127.0.0.1:1/none", schema="x")
+    service = tickler.Service(double, store=queue, name="jobs")
+    with pytest.raises(tickler.StoreError, match="cannot connect to PostgreSQL"):
+        await service.run()
+
+
+async def test_a_foreign_schema_is_refused(postgres_dsn: str, postgres_schema: str) -> None:
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{postgres_schema}"')
+        connection.execute(f'CREATE TABLE "{postgres_schema}".customers (id int)')
+    service = tickler.Service(double, store=store(postgres_dsn, postgres_schema), name="jobs")
+    with pytest.raises(tickler.StoreError, match="not tickler's"):
+        await service.run()
+
+
+async def test_the_server_dropping_the_connection_loses_nothing(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """The server ends the service's session mid-run: it reconnects and commits everything."""
+    queue = store(postgres_dsn, postgres_schema, poll_interval=0.05)
+    async with tickler.open_service(double, store=queue, name="jobs") as service:
+        await (await service.submit(0)).wait()
+        stored = service._store_run
+        assert stored is not None
+        assert stored.connection is not None
+        pid = stored.connection.db.info.backend_pid
+        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        tickets = [service.enqueue_request(i) for i in range(1, 50)]
+        with trio.fail_after(20):
+            assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 50)]
+        assert stored.connection.db.info.backend_pid != pid  # a new session
+        assert (await service.store_statistics())["succeeded"] == 50
