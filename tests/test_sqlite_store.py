@@ -307,7 +307,8 @@ def test_bad_store_options(
 
 
 def test_bad_service_options_with_a_store(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"store must be a tickler\.SqliteStore, a tickler\.PostgresStore or None"):
+    message = r"store must be a tickler\.SqliteStore, a tickler\.PostgresStore or None"
+    with pytest.raises(TypeError, match=message):
         tickler.Service(double, store="queue.db")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="codec is for a service with a store"):
         tickler.Service(double, codec=tickler.JsonCodec())
