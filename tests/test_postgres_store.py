@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import psycopg
@@ -84,3 +85,30 @@ async def test_the_server_dropping_the_connection_loses_nothing(
             assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 50)]
         assert stored.connection.db.info.backend_pid != pid  # a new session
         assert (await service.store_statistics())["succeeded"] == 50
+
+
+async def test_inspect_a_schema(postgres_dsn: str, postgres_schema: str) -> None:
+    async def maybe(request: int) -> int:
+        if request < 0:
+            raise ValueError(f"negative {request}")
+        return request
+
+    queue = store(postgres_dsn, postgres_schema, poll_interval=0.05)
+    async with tickler.open_service(
+        maybe, store=queue, name="jobs", on_error=lambda t, e: None
+    ) as service:
+        for request in (1, -2):
+            await service.submit(request)
+        await service.join()
+    command = [sys.executable, "-m", "tickler", "inspect", postgres_dsn]
+    done = await trio.run_process([*command, "--schema", postgres_schema], capture_stdout=True)
+    assert done.stdout.decode().splitlines() == [
+        "queue 'jobs': 0 queued, 0 scheduled, 0 running, 0 retrying,"
+        " 1 succeeded, 1 failed, 0 cancelled",
+        "  failed #2 after 1 attempt(s): ValueError: negative -2",
+    ]
+    missing = await trio.run_process(
+        [*command, "--schema", "no_such_schema"], capture_stderr=True, check=False
+    )
+    assert missing.returncode == 2
+    assert "not a tickler store" in missing.stderr.decode()
