@@ -112,3 +112,100 @@ async def test_inspect_a_schema(postgres_dsn: str, postgres_schema: str) -> None
     )
     assert missing.returncode == 2
     assert "not a tickler store" in missing.stderr.decode()
+
+
+async def test_an_error_with_a_nul_character_fails_only_its_request(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: PostgreSQL text cannot hold NUL; the batch failed for ever, blocking all."""
+
+    async def bad(request: str) -> str:
+        if request == "bad":
+            raise ValueError("payload had a \x00 byte")
+        return request
+
+    queue = store(postgres_dsn, postgres_schema, poll_interval=0.05)
+    async with tickler.open_service(
+        bad, store=queue, name="jobs", on_error=lambda t, e: None
+    ) as service:
+        failing = await service.submit("bad")
+        with trio.fail_after(5), pytest.raises(ValueError, match="payload"):
+            await failing.wait()
+        with trio.fail_after(5):
+            assert await (await service.submit("good")).wait() == "good"
+        found = await service.lookup(failing.id)
+        assert found is not None
+        with pytest.raises(tickler.RequestFailed, match=r"payload had a \\x00 byte"):
+            found.result()
+    with pytest.raises(ValueError, match="name must not contain NUL"):
+        tickler.Service(bad, store=queue, name="jo\x00bs")
+
+
+def test_a_schema_whose_channel_name_would_be_too_long_is_refused() -> None:
+    """Regression: 56 to 63 characters passed, and then no NOTIFY (so no enqueue) ever committed."""
+    tickler.PostgresStore("postgresql://", schema="s" * 55)
+    with pytest.raises(ValueError, match="at most 55"):
+        tickler.PostgresStore("postgresql://", schema="s" * 56)
+
+
+async def test_an_outcome_committed_late_by_another_replica_is_seen_at_the_next_look(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: a replica's commit that came seconds after its time was found only by the
+    sweep 30 looks later, since replicas commit concurrently."""
+    queue = store(postgres_dsn, postgres_schema, poll_interval=0.5)
+    async with tickler.open_service(double, store=queue, name="jobs") as service:
+        ticket = await service.submit(1, delay=600)
+        await trio.sleep(1.2)  # a few looks go by
+        with psycopg.connect(postgres_dsn) as connection:  # finished 5 s ago, committed now
+            connection.execute(
+                f'UPDATE "{postgres_schema}".tickler_requests SET state = %s, result = %s,'  # noqa: S608
+                " finished_at = extract(epoch FROM clock_timestamp()) - 5 WHERE id = %s",
+                ("succeeded", b"7", ticket.id),
+            )
+        with trio.fail_after(3):
+            assert await ticket.wait() == 7
+
+
+async def test_lookup_and_cancel_survive_a_session_the_server_ended(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: the first call after pg_terminate_backend raised psycopg's AdminShutdown."""
+    queue = store(postgres_dsn, postgres_schema, poll_interval=30)
+    async with tickler.open_service(double, store=queue, name="jobs") as service:
+        ticket = await service.submit(1, delay=600)
+        stored = service._store_run
+        assert stored is not None
+        assert stored.connection is not None
+        for call in (service.lookup, service.cancel):
+            pid = stored.connection.db.info.backend_pid
+            with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            assert await call(ticket.id)
+
+
+def test_a_keyed_insert_tries_again_when_the_live_row_ends_in_between() -> None:
+    """Under READ COMMITTED the conflicting row can end before the select sees it.
+
+    The statements' answers are scripted here: the race itself cannot be
+    timed from a test; the helper's handling of it can.
+    """
+    from tickler._sqlite import _INSERT, insert_keyed
+
+    answers = iter([None, None, (5,)])  # conflict, no live row any more, inserted
+
+    class Result:
+        def __init__(self, row: Any) -> None:
+            self.row = row
+
+        def fetchone(self) -> Any:
+            return self.row
+
+    asked: list[bool] = []
+
+    def execute(sql: str, params: Any) -> Result:
+        asked.append(sql == _INSERT)
+        return Result(next(answers))
+
+    assert insert_keyed(execute, "jobs", '"k"', "queued", b"1", 0.0, 0.0) == (5, True)
+    assert asked == [True, False, True]

@@ -169,7 +169,9 @@ class _Loop(_Processors[RequestT, ResultT]):
                     stored.failures = 0
                     if batch.finished_since is not None:
                         # Overlapping looks: a clock step back loses nothing.
-                        stored.finals_since = result.now - 1.0
+                        assert stored.connection is not None
+                        overlap = stored.connection.finals_overlap
+                        stored.finals_since = result.now - overlap
                         stored.checks += 1
                         looked = True
                     self._apply_batch(stored, result, pending, outcomes)

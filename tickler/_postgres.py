@@ -21,12 +21,15 @@ from ._sqlite import (
     Batch,
     Connection,
     _positive,
+    insert_keyed,
 )
 
 if TYPE_CHECKING:
     import psycopg
 
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+# A schema's name also names its NOTIFY channel, "tickler_" + schema, which
+# PostgreSQL caps at 63 bytes.
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,54}$")
 
 _SCHEMA = """
 CREATE TABLE tickler_schema (version INTEGER NOT NULL);
@@ -121,7 +124,7 @@ class PostgresStore:
             raise TypeError("notify must be a bool")
         if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
             raise ValueError(
-                "schema must be a lower-case SQL identifier: letters, digits and _, at most 63"
+                "schema must be a lower-case SQL identifier: letters, digits and _, at most 55"
             )
         self.dsn = dsn
         self.lease = _positive("lease", lease)
@@ -167,14 +170,19 @@ class PostgresStore:
         data = self._codecs.get(queue, JsonCodec()).encode(request)
         qualified = f'"{self.schema}".tickler_requests'
         insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
-        found = connection.execute(insert, (queue, key_text, state, data, run_at, now)).fetchone()
-        if found is None:
-            live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
-            found = connection.execute(live, (queue, key_text)).fetchone()
-        assert found is not None
+        live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
+
+        def x(sql: str, params: Any) -> Any:
+            # Write to this store's schema, whatever the caller's search_path.
+            return connection.execute({_INSERT: insert, _LIVE_ID_OF_KEY: live}[sql], params)
+
+        if key_text is None:
+            request_id = x(_INSERT, (queue, None, state, data, run_at, now)).fetchone()[0]
+        else:
+            request_id = insert_keyed(x, queue, key_text, state, data, run_at, now)[0]
         if self.notify:
             connection.execute("SELECT pg_notify(%s, %s)", (self.channel, queue))
-        return int(found[0])
+        return int(request_id)
 
     def listener(self, queue: str) -> Listener | None:
         """A LISTEN on this schema's channel for ``queue``, or None with notify=False."""
@@ -223,6 +231,15 @@ class PostgresConnection(Connection):
 
     claim_sql = _CLAIM
     lock_rows = " FOR UPDATE"
+    # Replicas commit concurrently, so a row can become final with a time
+    # earlier than a look that did not see it yet: reach back further (the
+    # sweep every 30 looks catches a commit slower than this).
+    finals_overlap = 10.0
+
+    def _now(self) -> float:
+        # The server's clock: one clock for every replica's leases and times.
+        row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        return float(row[0])
 
     def __init__(self, store: PostgresStore) -> None:
         self.pg_store = store
@@ -301,13 +318,30 @@ class PostgresConnection(Connection):
         if self.pg_store.notify and batch.inserts:
             self.db.execute("SELECT pg_notify(%s, %s)", (self.pg_store.channel, queue))
 
+    # psycopg learns that the server ended a session only when a statement
+    # fails: these calls then connect again and try once more. (A batch
+    # needs no such care: the loop retries it, and _begin reconnects.)
+
     def lookup(self, queue: str, id_or_key: object) -> Any:
-        self._reconnect_if_broken()
-        return super().lookup(queue, id_or_key)
+        return self._twice(super().lookup, queue, id_or_key)
+
+    def cancel(self, queue: str, id_or_key: object) -> tuple[bool, int | None]:
+        return self._twice(super().cancel, queue, id_or_key)  # type: ignore[no-any-return]
 
     def statistics(self, queue: str) -> dict[str, int]:
+        return self._twice(super().statistics, queue)  # type: ignore[no-any-return]
+
+    def _twice(self, call: Any, *args: Any) -> Any:
+        import psycopg
+
         self._reconnect_if_broken()
-        return super().statistics(queue)
+        try:
+            return call(*args)
+        except psycopg.OperationalError:
+            if not (self.db.closed or self.db.broken):
+                raise
+        self._reconnect_if_broken()
+        return call(*args)
 
     def _reconnect_if_broken(self) -> None:
         if self.db.closed or self.db.broken:

@@ -100,8 +100,8 @@ def _reset(tokens: list[contextvars.Token[Any]]) -> None:
 
 
 def _storable(text: str) -> str:
-    """Text the store can keep: lone surrogates (say, from surrogateescape) escaped."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    """Text every store can keep: lone surrogates (say, from surrogateescape) and NULs escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 class _Processors(_QueueSide[RequestT, ResultT]):

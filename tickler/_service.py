@@ -121,6 +121,8 @@ class Service(_Loop[RequestT, ResultT]):
                 raise ValueError("codec is for a service with a store; give store= too")
             check_codec(codec)
         self._store_run: StoreRun | None = None
+        if store is not None and "\x00" in name:
+            raise ValueError("name must not contain NUL characters: it names the store's queue")
         if store is not None:
             if codec is None:
                 codec = JsonCodec()

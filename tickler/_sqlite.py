@@ -323,14 +323,33 @@ class SqliteStore:
             run_at += _positive("delay", delay, allow_zero=True)
             state = "scheduled"
         data = self._codecs.get(queue, _JSON).encode(request)
-        row = connection.execute(_INSERT, (queue, key_text, state, data, run_at, time.time()))
-        found = row.fetchone()
-        if found is not None:
-            return int(found[0])
-        return int(connection.execute(_LIVE_ID_OF_KEY, (queue, key_text)).fetchone()[0])
+        now = time.time()
+        if key_text is None:
+            return int(
+                connection.execute(_INSERT, (queue, None, state, data, run_at, now)).fetchone()[0]
+            )
+        return int(insert_keyed(connection.execute, queue, key_text, state, data, run_at, now)[0])
 
 
 _JSON = JsonCodec()
+
+
+def insert_keyed(
+    x: Any, queue: str, key: str, state: str, data: bytes, run_at: float, now: float
+) -> tuple[int, bool]:
+    """Insert a keyed request: (its id, True), or (the live one's id, False).
+
+    Under PostgreSQL's READ COMMITTED the live row can end between the insert
+    that met it and the select that looks for it: then insert again.
+    """
+    for _ in range(10):
+        found = x(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
+        if found is not None:
+            return found[0], True
+        live = x(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
+        if live is not None:
+            return live[0], False
+    raise StoreError(f"the key {key} of queue {queue!r} kept changing hands; try again")
 
 
 class Connection:
@@ -398,6 +417,14 @@ class Connection:
         """Execute one statement, written with ? and :name placeholders."""
         return self.db.execute(sql, params)
 
+    # How far each look at what became final reaches back before the last:
+    # SQLite's writers commit one at a time, in the order of their times.
+    finals_overlap = 1.0
+
+    def _now(self) -> float:
+        """The batch's time, taken once the write lock is held."""
+        return time.time()
+
     def _begin(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
 
@@ -429,7 +456,7 @@ class Connection:
         result = BatchResult()
         self._begin()
         try:
-            now = result.now = time.time()
+            now = result.now = self._now()
             result.inserted = self._insert(queue, batch.inserts, now)
             result.applied = self._write_outcomes(owner, batch.outcomes, now)
             if batch.renew:
@@ -497,12 +524,7 @@ class Connection:
                 plain.append(entry)
                 continue
             flush()
-            found = x(_INSERT, (queue, key, state, data, run_at, now)).fetchone()
-            if found is not None:
-                inserted.append((found[0], True))
-            else:
-                live = x(_LIVE_ID_OF_KEY, (queue, key)).fetchone()
-                inserted.append((live[0], False))
+            inserted.append(insert_keyed(x, queue, key, state, data, run_at, now))
         flush()
         return inserted
 
