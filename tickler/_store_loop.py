@@ -31,7 +31,7 @@ Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
 
 
 class RequestFailed(TicklerError):
-    """A request failed in another process; the store kept its error as text.
+    """A request's failure as the store keeps it: as text, from whichever process ran it.
 
     Attributes:
         error_type: the name of the exception's type.
@@ -86,7 +86,6 @@ class StoreRun:
     next_check: float = 0.0
     next_due: float | None = None
     live: int = 0
-    claiming: bool = True
     failures: int = 0
     # A batch is in flight: what it took from pending is not in the store yet.
     committing: bool = False
@@ -119,7 +118,7 @@ class StoreRun:
         batch = Batch(
             inserts=[(key, state, data, run_at) for _, key, state, data, run_at in pending],
             outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
-            claim=claim if self.claiming else 0,
+            claim=claim,
             renew=check,
             watched=self._watch_list() if check else (),
             prune=check,
