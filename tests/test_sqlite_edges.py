@@ -288,3 +288,24 @@ async def test_a_stops_deadline_holds_while_the_store_keeps_failing(tmp_path: Pa
     assert cancelled_at[0] - stop_at < 1.0  # at the deadline, not when the store came back
     assert [t.request for t in handed_back] == [0]
     assert len(rows(store.path)) == 300
+
+
+async def test_rows_held_without_knowing_are_handed_back(tmp_path: Path) -> None:
+    """Regression: a claim committed whose reply was lost left rows this process renewed for
+    ever without running them. Here the store is made to say so directly."""
+    store = store_at(tmp_path)
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        ticket = await service.submit(1, delay=600)
+        stored = service._store_run
+        assert stored is not None
+        connection = sqlite3.connect(store.path)
+        with connection:  # claimed for this process, as a lost reply would leave it
+            connection.execute(
+                "UPDATE tickler_requests SET state = 'running', owner = ?, run_at = 0,"
+                " lease_until = ?, attempts = 1 WHERE id = ?",
+                (stored.owner, time.time() + 3600, ticket.id),
+            )
+        connection.close()
+        with trio.fail_after(5):
+            assert await ticket.wait() == 1
+        assert ticket.attempts == 2  # the lost claim counted as an attempt

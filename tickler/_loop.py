@@ -374,6 +374,12 @@ class _Loop(_Processors[RequestT, ResultT]):
                 stored.watched.setdefault(ticket.id, []).append(ticket)
             elif mine[ticket.id]:
                 self._record("cancelled", ticket, (wall_clock(),))
+        # Rows the store says this process holds, though it never learned it
+        # claimed them: a claim committed whose reply was lost with the
+        # connection. Renewals would keep them for ever: give them back.
+        for request_id in mine.keys() - stored.local:
+            orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, 0, None, None, _EMPTY)
+            stored.outcomes.append(("handed_back", orphan, (wall_clock(),), None))
 
     async def _final_flush(self, stored: StoreRun) -> None:
         """Commit what was accepted and write what ended, shielded; then close the store."""
