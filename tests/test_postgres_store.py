@@ -84,6 +84,7 @@ async def test_the_server_dropping_the_connection_loses_nothing(
         with trio.fail_after(20):
             assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 50)]
         assert stored.connection.db.info.backend_pid != pid  # a new session
+        assert service.statistics().store_errors >= 1  # and the statistics say so
         assert (await service.store_statistics())["succeeded"] == 50
 
 

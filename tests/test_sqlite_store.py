@@ -389,6 +389,7 @@ async def test_a_full_disk_delays_the_commit_and_loses_nothing(
         assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 200)]
     assert "database or disk is full" in caplog.text
     assert len(rows(store.path)) == 200
+    assert service.statistics().store_errors >= 2
 
 
 async def test_inspect_prints_counts_and_latest_failures(tmp_path: Path) -> None:

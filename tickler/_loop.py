@@ -150,6 +150,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                         if not isinstance(exc, Exception):
                             raise
                         stored.failures += 1
+                        stored.errors += 1
                         delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
                         logger.error(
                             "service %r: writing to the store failed (%s); try %d in %.2f s",

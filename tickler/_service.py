@@ -265,6 +265,7 @@ class Service(_Loop[RequestT, ResultT]):
                 retried=self._retried,
                 rejected=self._rejected,
                 deduplicated=self._deduplicated,
+                store_errors=self._store_run.errors if self._store_run is not None else 0,
                 wakeups=self._wakeups,
                 peak_queued=max(self._peak, queued),
             )

@@ -47,3 +47,5 @@ class ServiceStatistics:
     """Times the supervisor loop woke up."""
     peak_queued: int
     """The largest number of requests ever queued at once."""
+    store_errors: int = 0
+    """With a store: batches that failed and were retried (a full disk, a lost connection)."""

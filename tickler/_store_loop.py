@@ -86,7 +86,8 @@ class StoreRun:
     next_check: float = 0.0
     next_due: float | None = None
     live: int = 0
-    failures: int = 0
+    failures: int = 0  # in a row, for the backoff
+    errors: int = 0  # in all, for statistics()
     # A batch is in flight: what it took from pending is not in the store yet.
     committing: bool = False
 
