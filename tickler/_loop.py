@@ -317,15 +317,8 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._queue.append(ticket)
                 self._peak = max(self._peak, queue_length + 1)
         for row in result.finals:
-            followers = stored.watched.pop(row.id, [])
-            swept = stored.tickets.get(row.id)
-            if swept is not None and row.id not in stored.local:
-                # Found by the periodic sweep: it ended by another hand.
-                del stored.tickets[row.id]
-                followers.append(swept)
-            for ticket in followers:
-                if not ticket.done:
-                    self._finish(ticket, *self._decoded(stored, row))
+            for ticket in stored.take_waiters(row.id):
+                self._finish(ticket, *self._decoded(stored, row))
         for request_id in result.missing:
             lost = RequestFailed(
                 "RowDeleted",
@@ -333,14 +326,8 @@ class _Loop(_Processors[RequestT, ResultT]):
                 " process read its outcome",
                 "",
             )
-            gone = stored.watched.pop(request_id, [])
-            swept = stored.tickets.get(request_id)
-            if swept is not None and request_id not in stored.local:
-                del stored.tickets[request_id]
-                gone.append(swept)
-            for ticket in gone:
-                if not ticket.done:
-                    self._finish(ticket, _FAILED, (now, lost, None, None))
+            for ticket in stored.take_waiters(request_id):
+                self._finish(ticket, _FAILED, (now, lost, None, None))
 
         stored.next_due = result.next_due
         stored.live = result.live
@@ -349,7 +336,7 @@ class _Loop(_Processors[RequestT, ResultT]):
     def _decoded(stored: StoreRun, row: Row) -> tuple[Status, tuple[Any, ...]]:
         """A final row as a ticket's status and final state (FAILED if it cannot be decoded)."""
         try:
-            status, _, final = stored.decode_row(row)
+            status, final = stored.decode_row(row)
         except Exception as exc:
             return _FAILED, (row.finished_at, exc, exc.__traceback__, None)
         return status, final
@@ -625,7 +612,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             request, row.id, status, row.attempts, row.enqueued_at, row.started_at, None
         )
         if status in FINAL:
-            ticket._state = stored.decode_row(row)[2]
+            ticket._state = stored.decode_row(row)[1]
         return ticket
 
     async def store_statistics(self) -> dict[str, int]:

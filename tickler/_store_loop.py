@@ -166,18 +166,31 @@ class StoreRun:
         finally:
             self.committing = False
 
-    def decode_row(self, row: Row) -> tuple[Status, Any, tuple[Any, ...]]:
-        """A final row as (status, result, final ticket state)."""
+    def decode_row(self, row: Row) -> tuple[Status, tuple[Any, ...]]:
+        """A final row as (status, final ticket state)."""
         finished = row.finished_at
         if row.state == "succeeded":
             result = self.codec.decode(row.result) if row.result is not None else None
-            return Status.SUCCEEDED, result, (finished, result)
+            return Status.SUCCEEDED, (finished, result)
         if row.state == "failed":
             error = RequestFailed(
                 row.error_type or "Exception", row.error_message or "", row.error_traceback or ""
             )
-            return Status.FAILED, None, (finished, error, None, None)
-        return Status.CANCELLED, None, (finished, None)
+            return Status.FAILED, (finished, error, None, None)
+        return Status.CANCELLED, (finished, None)
+
+    def take_waiters(self, request_id: int) -> list[Ticket[Any, Any]]:
+        """The unfinished tickets of this process waiting on a request that ended elsewhere.
+
+        Those following it (a live key, a lost lease), and its own ticket if
+        it does not run here (found by the periodic sweep); all stop waiting.
+        """
+        waiters = self.watched.pop(request_id, [])
+        own = self.tickets.get(request_id)
+        if own is not None and request_id not in self.local:
+            del self.tickets[request_id]
+            waiters.append(own)
+        return [ticket for ticket in waiters if not ticket.done]
 
 
 def wall_clock() -> float:
