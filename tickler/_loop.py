@@ -31,7 +31,7 @@ from ._core import (
 )
 from ._exceptions import ServiceClosed
 from ._processors import _ATTEMPTS, _Processors, _Slot
-from ._sqlite import BatchResult, Row
+from ._sqlite import Batch, BatchResult, Row
 from ._store_loop import Outcome, Pending, RequestFailed, StoreRun, wall_clock
 from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
 
@@ -141,24 +141,9 @@ class _Loop(_Processors[RequestT, ResultT]):
                 batch, pending, outcomes = stored.build(self._lock, claim, wall_clock())
                 looked = False
                 if batch.inserts or batch.outcomes or batch.claim or batch.renew:
-                    try:
-                        result = await stored.run_batch(self.name, batch)
-                    except BaseException as exc:
-                        # Nothing accepted is dropped: it goes into the next
-                        # try, or into the final flush if the run is ending.
-                        stored.put_back(self._lock, pending, outcomes)
-                        if not isinstance(exc, Exception):
-                            raise
-                        stored.failures += 1
-                        stored.errors += 1
+                    result = await self._try_batch(stored, batch, pending, outcomes)
+                    if result is None:
                         delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
-                        logger.error(
-                            "service %r: writing to the store failed (%s); try %d in %.2f s",
-                            self.name,
-                            _one_line(exc),
-                            stored.failures + 1,
-                            delay,
-                        )
                         # A stop's deadline still holds: the final flush
                         # then keeps trying to commit what was accepted.
                         now = self._time()
@@ -167,7 +152,6 @@ class _Loop(_Processors[RequestT, ResultT]):
                             self._expire()
                         await trio.sleep_until(min(now + delay, self._stop_deadline))
                         continue
-                    stored.failures = 0
                     if batch.finished_since is not None:
                         # Overlapping looks: a clock step back loses nothing.
                         assert stored.connection is not None
@@ -369,6 +353,34 @@ class _Loop(_Processors[RequestT, ResultT]):
             orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, 0, None, None, _EMPTY)
             stored.outcomes.append(("handed_back", orphan, (wall_clock(),), None))
 
+    async def _try_batch(
+        self,
+        stored: StoreRun,
+        batch: Batch,
+        pending: list[Pending],
+        outcomes: list[Outcome],
+    ) -> BatchResult | None:
+        """Run a batch; if it fails, put its work back, count and log it, and return None."""
+        try:
+            result = await stored.run_batch(self.name, batch)
+        except BaseException as exc:
+            # Nothing accepted is dropped: it goes into the next try, or into
+            # the final flush if the run is ending.
+            stored.put_back(self._lock, pending, outcomes)
+            if not isinstance(exc, Exception):
+                raise
+            stored.failures += 1
+            stored.errors += 1
+            logger.error(
+                "service %r: writing to the store failed (%s); %d failure(s) in a row",
+                self.name,
+                _one_line(exc),
+                stored.failures,
+            )
+            return None
+        stored.failures = 0
+        return result
+
     async def _final_flush(self, stored: StoreRun) -> None:
         """Commit what was accepted and write what ended, shielded; then close the store."""
         with trio.CancelScope(shield=True):
@@ -377,15 +389,8 @@ class _Loop(_Processors[RequestT, ResultT]):
                 batch.renew, batch.watched, batch.prune = False, (), False
                 if not batch.inserts and not batch.outcomes:
                     break
-                try:
-                    result = await stored.run_batch(self.name, batch)
-                except Exception as exc:
-                    stored.put_back(self._lock, pending, outcomes)
-                    logger.error(
-                        "service %r: writing to the store at the stop failed (%s)",
-                        self.name,
-                        _one_line(exc),
-                    )
+                result = await self._try_batch(stored, batch, pending, outcomes)
+                if result is None:
                     await trio.sleep(min(0.05 * 2**attempt, 2.0))
                     continue
                 self._apply_batch(stored, result, pending, outcomes)
