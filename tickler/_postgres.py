@@ -12,7 +12,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._codec import Codec, JsonCodec, encode_key
+from ._codec import Codec
 from ._exceptions import StoreError
 from ._sqlite import (
     _INSERT,
@@ -21,7 +21,7 @@ from ._sqlite import (
     Batch,
     Connection,
     _positive,
-    insert_keyed,
+    enqueue_through,
 )
 
 if TYPE_CHECKING:
@@ -159,15 +159,6 @@ class PostgresStore:
 
         if not isinstance(connection, psycopg.Connection):
             raise TypeError("connection must be a psycopg.Connection")
-        if not isinstance(queue, str):
-            raise TypeError("queue must be a str")
-        key_text = encode_key(key) if key is not None else None
-        now = time.time()
-        run_at, state = now, "queued"
-        if delay is not None:
-            run_at += _positive("delay", delay, allow_zero=True)
-            state = "scheduled"
-        data = self._codecs.get(queue, JsonCodec()).encode(request)
         qualified = f'"{self.schema}".tickler_requests'
         insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
         live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
@@ -176,13 +167,10 @@ class PostgresStore:
             # Write to this store's schema, whatever the caller's search_path.
             return connection.execute({_INSERT: insert, _LIVE_ID_OF_KEY: live}[sql], params)
 
-        if key_text is None:
-            request_id = x(_INSERT, (queue, None, state, data, run_at, now)).fetchone()[0]
-        else:
-            request_id = insert_keyed(x, queue, key_text, state, data, run_at, now)[0]
+        request_id = enqueue_through(x, self._codecs, queue, request, key, delay)
         if self.notify:
             connection.execute("SELECT pg_notify(%s, %s)", (self.channel, queue))
-        return int(request_id)
+        return request_id
 
     def listener(self, queue: str) -> Listener | None:
         """A LISTEN on this schema's channel for ``queue``, or None with notify=False."""
@@ -296,9 +284,7 @@ class PostgresConnection(Connection):
         return self.db.execute(_psycopg_style(sql), params)
 
     def _begin(self) -> None:
-        if self.db.closed or self.db.broken:
-            # The server went away: the loop retried; connect again.
-            self.db = self._open()
+        self._reconnect_if_broken()  # the server went away, and the loop retries
         self.db.execute("BEGIN")
 
     def _commit(self) -> None:

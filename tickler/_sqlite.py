@@ -314,24 +314,33 @@ class SqliteStore:
         """
         if not isinstance(connection, sqlite3.Connection):
             raise TypeError("connection must be a sqlite3.Connection")
-        if not isinstance(queue, str):
-            raise TypeError("queue must be a str")
-        key_text = encode_key(key) if key is not None else None
-        run_at = time.time()
-        state = "queued"
-        if delay is not None:
-            run_at += _positive("delay", delay, allow_zero=True)
-            state = "scheduled"
-        data = self._codecs.get(queue, _JSON).encode(request)
-        now = time.time()
-        if key_text is None:
-            return int(
-                connection.execute(_INSERT, (queue, None, state, data, run_at, now)).fetchone()[0]
-            )
-        return int(insert_keyed(connection.execute, queue, key_text, state, data, run_at, now)[0])
+        return enqueue_through(connection.execute, self._codecs, queue, request, key, delay)
 
 
 _JSON = JsonCodec()
+
+
+def enqueue_through(
+    execute: Any,
+    codecs: dict[str, Codec],
+    queue: str,
+    request: object,
+    key: object,
+    delay: float | None,
+) -> int:
+    """enqueue_in for every store: ``execute`` runs a statement on the caller's connection."""
+    if not isinstance(queue, str):
+        raise TypeError("queue must be a str")
+    key_text = encode_key(key) if key is not None else None
+    now = time.time()
+    run_at, state = now, "queued"
+    if delay is not None:
+        run_at += _positive("delay", delay, allow_zero=True)
+        state = "scheduled"
+    data = codecs.get(queue, _JSON).encode(request)
+    if key_text is None:
+        return int(execute(_INSERT, (queue, None, state, data, run_at, now)).fetchone()[0])
+    return int(insert_keyed(execute, queue, key_text, state, data, run_at, now)[0])
 
 
 def insert_keyed(
