@@ -161,10 +161,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
                 # Refused, unless it is a follow-up from one of the service's
                 # own handlers during a drain, with room in the queue. Only
                 # this slow path asks which.
-                if self._closed and not (self._draining and self._is_follow_up()):
-                    self._rejected += 1
-                    self._last_context = None  # a refused caller's context is kept by nothing
-                    raise ServiceClosed(f"service {self.name!r} is closed")
+                self._check_open()
                 self._check_room(length)
             if timer is None:
                 ticket.enqueued_at = self._time()  # the run may have started meanwhile
@@ -211,6 +208,17 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
                 pass
         self._last_context = (context, tuple(context.items()), len(context))
         return context
+
+    def _check_open(self) -> None:
+        """Raise ServiceClosed once a stop has begun, but for a drain's follow-ups.
+
+        Called with the lock held, on a refusal path: only there does it ask
+        who the caller is.
+        """
+        if self._closed and not (self._draining and self._is_follow_up()):
+            self._rejected += 1
+            self._last_context = None  # a refused caller's context is kept by nothing
+            raise ServiceClosed(f"service {self.name!r} is closed")
 
     def _check_room(self, length: int, *, waits: bool = False) -> None:
         """Raise QueueFull if ``length`` queued requests and the delayed ones fill the queue.
@@ -259,10 +267,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
         with self._lock:
             queue = self._queue
             length = len(queue)
-            if self._closed and not (self._draining and self._is_follow_up()):
-                self._rejected += 1
-                self._last_context = None
-                raise ServiceClosed(f"service {self.name!r} is closed")
+            self._check_open()
             if key is not None:
                 live = self._keys.get(key)
                 if live is not None:
@@ -333,10 +338,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             ticket.status = status
         run_at = wall_clock() + (delay or 0.0)
         with self._lock:
-            if self._closed and not (self._draining and self._is_follow_up()):
-                self._rejected += 1
-                self._last_context = None
-                raise ServiceClosed(f"service {self.name!r} is closed")
+            self._check_open()
             bound = self.max_queue_length
             if bound is not None and len(run.pending) >= bound:
                 if not waits:
