@@ -13,6 +13,10 @@ import trio
 
 import tickler
 
+# The process tests' checks live in a helper module: give its asserts
+# pytest's explanations too.
+pytest.register_assert_rewrite("tests.store_runs")
+
 
 @attrs.define(eq=False)
 class Recorder:

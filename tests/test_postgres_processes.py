@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import collections
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psycopg
 import psycopg.sql
 
 import tickler
+
+from .store_runs import check_killed_run, check_shared_run, wait_for_ends
 
 ROOT = Path(__file__).parent.parent
 
@@ -40,10 +40,6 @@ def states(dsn: str, schema: str) -> dict[int, str]:
         return {row[0]: row[1] for row in rows}
 
 
-def log_lines(log: Path) -> list[list[str]]:
-    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
-
-
 def test_a_replica_killed_mid_run_loses_nothing(
     tmp_path: Path, postgres_dsn: str, postgres_schema: str
 ) -> None:
@@ -52,26 +48,13 @@ def test_a_replica_killed_mid_run_loses_nothing(
     enqueue(postgres_dsn, postgres_schema, [f"r{i}" for i in range(60)])
     options = ("--capacity", "8", "--lease", "1")
     first = worker(postgres_dsn, postgres_schema, log, *options, "--sleep", "0.1")
-    deadline = time.monotonic() + 60
-    while sum(1 for line in log_lines(log) if line[1] == "end") < 20:
-        assert time.monotonic() < deadline, "the first replica made no progress"
-        assert first.poll() is None
-        time.sleep(0.01)
+    wait_for_ends(first, log, 20)
     first.send_signal(signal.SIGKILL)
     first.wait()
     at_kill = states(postgres_dsn, postgres_schema)
-    running_at_kill = {i for i, state in at_kill.items() if state == "running"}
-    assert running_at_kill, at_kill
-
     second = worker(postgres_dsn, postgres_schema, log, *options, "--sleep", "0.01")
     assert second.wait(timeout=120) == 0
-    final = states(postgres_dsn, postgres_schema)
-    assert set(final.values()) == {"succeeded"}
-    assert len(final) == 60
-    starts = collections.Counter(int(line[2]) for line in log_lines(log) if line[1] == "start")
-    assert set(starts) == set(final)
-    assert {i for i, count in starts.items() if count > 1} <= running_at_kill
-    assert max(starts.values()) <= 2
+    check_killed_run(log, at_kill, states(postgres_dsn, postgres_schema), 60)
 
 
 def test_three_replicas_share_one_queue(
@@ -84,17 +67,4 @@ def test_three_replicas_share_one_queue(
     workers = [worker(postgres_dsn, postgres_schema, log, *options) for _ in range(3)]
     for process in workers:
         assert process.wait(timeout=300) == 0
-    lines = log_lines(log)
-    starts = collections.Counter(" ".join(line[2:]) for line in lines if line[1] == "start")
-    assert all(count == 1 for count in starts.values()), starts.most_common(3)
-    final = states(postgres_dsn, postgres_schema)
-    assert len(final) == 10_000 + 1 + 100
-    assert collections.Counter(final.values()) == {"succeeded": 10_100, "cancelled": 1}
-    ran_blocker = {line[0] for line in lines if line[1] == "start" and line[3] == "blocker"}
-    cancelled_in = {line[0] for line in lines if line[1] == "cancelled"}
-    cancelled_by = {line[0] for line in lines if line[1] == "cancel"}
-    assert len(ran_blocker) == 1
-    assert cancelled_in == ran_blocker
-    assert cancelled_by
-    assert not cancelled_by & ran_blocker
-    assert len({line[0] for line in lines if line[1] == "start"}) == 3
+    check_shared_run(log, states(postgres_dsn, postgres_schema), 3)

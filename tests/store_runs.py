@@ -1,0 +1,56 @@
+"""What the store tests with real processes check, for SQLite and PostgreSQL alike.
+
+Worker processes (tests/store_worker.py) write a line per attempt start and
+end to a shared log; these read it, with the states the store holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import time
+from pathlib import Path
+
+
+def log_lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def wait_for_ends(process: subprocess.Popen[bytes], log: Path, count: int) -> None:
+    """Wait until the log holds ``count`` attempt ends, the process still running."""
+    deadline = time.monotonic() + 60
+    while sum(1 for line in log_lines(log) if line[1] == "end") < count:
+        assert time.monotonic() < deadline, "the worker made no progress"
+        assert process.poll() is None
+        time.sleep(0.01)
+
+
+def check_killed_run(log: Path, at_kill: dict[int, str], final: dict[int, str], n: int) -> None:
+    """Every one of ``n`` requests succeeded; only those running at the kill started twice."""
+    running_at_kill = {i for i, state in at_kill.items() if state == "running"}
+    assert running_at_kill, at_kill
+    assert set(at_kill.values()) <= {"queued", "running", "succeeded"}
+    assert set(final.values()) == {"succeeded"}
+    assert len(final) == n
+    starts = collections.Counter(int(line[2]) for line in log_lines(log) if line[1] == "start")
+    assert set(starts) == set(range(1, n + 1))
+    assert {i for i, count in starts.items() if count > 1} <= running_at_kill
+    assert max(starts.values()) <= 2
+
+
+def check_shared_run(log: Path, final: dict[int, str], workers: int) -> None:
+    """10,000 requests ran once each, 100 keys made 100 rows, one cancel crossed processes."""
+    lines = log_lines(log)
+    starts = collections.Counter(" ".join(line[2:]) for line in lines if line[1] == "start")
+    assert all(count == 1 for count in starts.values()), starts.most_common(3)
+    # 10,000 plain requests, the blocker, and one row per key however many enqueued it.
+    assert len(final) == 10_000 + 1 + 100
+    assert collections.Counter(final.values()) == {"succeeded": 10_100, "cancelled": 1}
+    ran_blocker = {line[0] for line in lines if line[1] == "start" and line[3] == "blocker"}
+    cancelled_in = {line[0] for line in lines if line[1] == "cancelled"}
+    cancelled_by = {line[0] for line in lines if line[1] == "cancel"}
+    assert len(ran_blocker) == 1
+    assert cancelled_in == ran_blocker
+    assert cancelled_by
+    assert not cancelled_by & ran_blocker
+    assert len({line[0] for line in lines if line[1] == "start"}) == workers  # all took part
