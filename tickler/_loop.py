@@ -6,7 +6,7 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -183,11 +183,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 room = self._capacity - self._in_flight - len(queue)
                 if stored.next_due is not None and room > 0 and self._may_start:
                     wake_at = min(wake_at, stored.next_due + to_trio)
-                with trio.move_on_at(wake_at):
-                    await receive()
-                    self._wakeup_pending = False
-                self._wakeups += 1
-                self._debug = logger.isEnabledFor(logging.DEBUG)
+                await self._sleep(receive, wake_at)
         except BaseException:
             self._may_start = self._draining = False
             raise
@@ -440,20 +436,24 @@ class _Loop(_Processors[RequestT, ResultT]):
                 wake_at = self._stop_deadline
                 if heap and self._may_start and heap[0][0] > dispatched_at:
                     wake_at = min(wake_at, heap[0][0])
-                if wake_at < math.inf:
-                    with trio.move_on_at(wake_at):
-                        await receive()
-                        self._wakeup_pending = False
-                else:
-                    await receive()
-                    self._wakeup_pending = False
-                self._wakeups += 1
-                self._debug = logger.isEnabledFor(logging.DEBUG)
+                await self._sleep(receive, wake_at)
         except BaseException:
             # Cancelled with the run, or the run is ending: from this instant
             # no processor starts another request.
             self._may_start = self._draining = False
             raise
+
+    async def _sleep(self, receive: Callable[[], Awaitable[None]], wake_at: float) -> None:
+        """Sleep until tickled through the one-slot channel, or until ``wake_at``."""
+        if wake_at < math.inf:
+            with trio.move_on_at(wake_at):
+                await receive()
+                self._wakeup_pending = False
+        else:
+            await receive()
+            self._wakeup_pending = False
+        self._wakeups += 1
+        self._debug = logger.isEnabledFor(logging.DEBUG)
 
     def _expire(self) -> None:
         """The stop's deadline has passed: cancel everything that is left."""
