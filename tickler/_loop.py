@@ -665,11 +665,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 await self._idle_event_or_new().wait()
         while not (self._is_idle() or self._finished.is_set()):
             self._bind()
-            event = self._idle_event
-            if event is None:
-                event = self._idle_event = trio.Event()
-                self._tickle()
-            await event.wait()
+            await self._idle_event_or_new().wait()
         await trio.lowlevel.checkpoint()
 
     def _own_request(self) -> int | None:
