@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import attrs
 import pytest
@@ -96,40 +96,141 @@ def enqueue_context(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
     return str(request.param)
 
 
-# -- PostgreSQL: the machine's server if one runs, else a throwaway cluster ----
+# -- PostgreSQL: TICKLER_TEST_POSTGRES, else a throwaway cluster, else skipped --
+#
+# TICKLER_REQUIRE_POSTGRES=1 (set by .ci/run) turns the skip into a failure.
 
-LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
 
-
-def _local_postgres_runs() -> bool:
+def _without_postgres(reason: str) -> NoReturn:
+    """Skip the test, loudly; or fail it where PostgreSQL is required."""
     import os
 
-    import psycopg
+    reason = f"no PostgreSQL for the store tests: {reason}"
+    if os.environ.get("TICKLER_REQUIRE_POSTGRES"):
+        pytest.fail(f"{reason} (and TICKLER_REQUIRE_POSTGRES is set)", pytrace=False)
+    pytest.skip(reason)
 
-    if os.environ.get("TICKLER_TEST_THROWAWAY_POSTGRES"):  # to try the fallback here
-        return False
+
+def _find_pg_ctl() -> str | None:
+    """pg_ctl on PATH, else the newest in Debian's /usr/lib/postgresql/*/bin."""
+    import glob
+    import shutil
+
+    found = shutil.which("pg_ctl")
+    if found is not None:
+        return found
+    candidates = glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")
+    return max(candidates, key=lambda path: int(path.split("/")[4])) if candidates else None
+
+
+class Cluster:
+    """A PostgreSQL cluster of the tests' own, started by pytest-postgresql's executor.
+
+    Its data, socket and log live in one temporary directory. As root, the
+    binaries run as the ``postgres`` user (PostgreSQL refuses root), through
+    a small pg_ctl wrapper handed to the executor.
+    """
+
+    def __init__(self, pg_ctl: str) -> None:
+        import os
+        import pwd
+        import tempfile
+        from pathlib import Path
+
+        import port_for
+        from pytest_postgresql.executors import PostgreSQLExecutor
+
+        self.directory = Path(tempfile.mkdtemp(prefix="tickler-postgres-"))
+        if os.geteuid() == 0:
+            try:
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                self.remove()
+                _without_postgres("running as root, with no 'postgres' user to run pg_ctl as")
+            os.chown(self.directory, user.pw_uid, user.pw_gid)
+            wrapper = self.directory / "pg_ctl"
+            wrapper.write_text(
+                "#!/bin/sh\ncd /\nexec setpriv --reuid=postgres --regid=postgres --init-groups"
+                f' -- "{pg_ctl}" "$@"\n'
+            )
+            wrapper.chmod(0o755)
+            pg_ctl = str(wrapper)
+        port = port_for.get_port(None)
+        assert port is not None
+        self.dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        self.executor = PostgreSQLExecutor(
+            executable=pg_ctl,
+            host="127.0.0.1",
+            port=port,
+            datadir=str(self.directory / "data"),
+            unixsocketdir=str(self.directory),
+            logfile=str(self.directory / "server.log"),
+            startparams="-w",
+            dbname="postgres",
+            user="postgres",
+        )
+
+    def start(self) -> None:
+        """Start the server (initdb the first time); returns once it accepts connections."""
+        self.executor.start()
+
+    def stop(self) -> None:
+        """Stop the server: ``pg_ctl stop -m fast`` ends every session."""
+        self.executor.stop()
+
+    def remove(self) -> None:
+        import shutil
+
+        if getattr(self, "executor", None) is not None and self.executor.running():
+            self.executor.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Cluster]:
+    """A throwaway cluster for the session, started from the local binaries.
+
+    The tests that restart the server take this one, whatever TICKLER_TEST_POSTGRES says.
+    """
+    pg_ctl = _find_pg_ctl()
+    if pg_ctl is None:
+        _without_postgres(
+            "TICKLER_TEST_POSTGRES is not set, and no pg_ctl to start a throwaway cluster"
+            " (on PATH or in /usr/lib/postgresql/*/bin); install PostgreSQL's server"
+            " binaries, or set TICKLER_TEST_POSTGRES to a DSN"
+        )
+    cluster = Cluster(pg_ctl)
     try:
-        psycopg.connect(LOCAL_POSTGRES, connect_timeout=2).close()
-    except psycopg.OperationalError:
-        return False
-    return True
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.remove()
 
 
 @pytest.fixture(scope="session")
 def postgres_dsn(request: pytest.FixtureRequest) -> str:
     """A DSN of a real PostgreSQL server for the store tests.
 
-    The server on 127.0.0.1:5432 when one runs; otherwise a cluster that
-    pytest-postgresql starts from the local binaries (pg_ctl) for the session.
+    ``TICKLER_TEST_POSTGRES`` if set (a DSN that must connect); otherwise the
+    session's throwaway cluster.
     """
-    if _local_postgres_runs():
-        return LOCAL_POSTGRES
-    proc = request.getfixturevalue("postgresql_proc")
-    return f"postgresql://{proc.user}@{proc.host}:{proc.port}/{proc.dbname}"
+    import os
+
+    import psycopg
+
+    dsn = os.environ.get("TICKLER_TEST_POSTGRES")
+    if not dsn:
+        cluster: Cluster = request.getfixturevalue("postgres_cluster")
+        return cluster.dsn
+    try:
+        psycopg.connect(dsn, connect_timeout=10).close()
+    except psycopg.Error as exc:
+        pytest.fail(f"TICKLER_TEST_POSTGRES={dsn!r} cannot connect: {exc}", pytrace=False)
+    return dsn
 
 
 @pytest.fixture
-def postgres_schema(postgres_dsn: str) -> Any:
+def postgres_schema(postgres_dsn: str) -> Iterator[str]:
     """A fresh schema name for one test, dropped afterwards."""
     import uuid
 
