@@ -1,4 +1,8 @@
-"""examples/site_manager over real sockets and real SQLite, driven by httpx."""
+"""examples/site_manager with one replica: real sockets, one SQLite file, driven by httpx.
+
+The status table and tickler's SqliteStore share the file; tests with several
+replicas on PostgreSQL are in test_site_manager_replicas.py.
+"""
 
 from __future__ import annotations
 
@@ -20,17 +24,18 @@ import trio.testing
 
 import tickler
 from examples.site_manager import Settings, serve
-from examples.site_manager.store import Store
+from examples.site_manager.store import QUEUE, Sites, SqliteDatabase, Step, Transaction
 from examples.site_manager.workflow import (
     BOOTSTRAP_TABLES,
+    CREATION_STEPS,
     Backend,
-    Step,
     Workflow,
     enqueue_steps,
 )
 
 ROOT = Path(__file__).parent.parent
-FAST = {"latency": 0.002, "retry_initial": 0.005, "retry_maximum": 0.05}
+FAST = {"latency": 0.002, "retry_initial": 0.005, "retry_maximum": 0.05, "poll_interval": 0.05}
+DATABASE = "site_manager.sqlite3"
 
 
 @attrs.define
@@ -111,17 +116,50 @@ async def test_all_sites_reach_running_despite_faults(tmp_path: Path) -> None:
         statuses = [(await client.get(f"/sites/{i}")).json() for i in ids]
         stats = (await client.get("/stats")).json()
     assert all(s["metadata_ready"] and s["bootstrapped"] for s in statuses)
-    assert sum(sum(s["attempts"].values()) for s in statuses) > 4 * 200  # failures were retried
-    assert stats["retried"] > 0
-    assert stats["failed"] == 0
+    # tickler's attempt counts: every step ran, and failures were retried.
+    assert all(s["attempts"]["delete"] == 0 for s in statuses)
+    assert all(min(s["attempts"][step] for step in CREATION_STEPS) >= 1 for s in statuses)
+    assert sum(sum(s["attempts"].values()) for s in statuses) > 4 * 200
+    assert stats["replica"]["retried"] > 0
+    assert stats["replica"]["failed"] == 0
+    assert stats["store"]["succeeded"] == 4 * 200
+    assert stats["store"]["queued"] + stats["store"]["running"] + stats["store"]["retrying"] == 0
     for site_id in ids:
         assert_provisioned(tmp_path, site_id)
 
 
+def read_step_log(path: Path) -> list[tuple[int, int, str, int, str]]:
+    """(monotonic ns, pid, event, site id, step) per line of a --step-log file."""
+    lines = []
+    for line in path.read_text().splitlines():
+        time_ns, pid, event, site_id, step = line.split()
+        lines.append((int(time_ns), int(pid), event, int(site_id), step))
+    return lines
+
+
+def check_aborts(log: list[tuple[int, int, str, int, str]], deleted: list[int]) -> None:
+    """No creation step of a deleted site starts or ends after its delete's cancels returned.
+
+    Each delete records ``aborted`` once its cancels have returned and none of
+    the site's creation steps is live: the DELETE handler does, and so does the
+    delete step before it removes anything.
+    """
+    for site_id in deleted:
+        aborted = [t for t, _, event, s, _ in log if event == "aborted" and s == site_id]
+        assert aborted, f"site {site_id}: no delete reported its creation steps aborted"
+        late = [
+            line
+            for line in log
+            if line[3] == site_id and line[4] in CREATION_STEPS and line[0] > min(aborted)
+        ]
+        assert not late, (site_id, late)
+
+
 async def test_delete_during_creation_leaves_nothing(tmp_path: Path) -> None:
     """Sites deleted at every stage of creation end deleted, with no files left."""
+    step_log = tmp_path / "steps.log"
     async with (
-        running(settings(tmp_path, latency=0.04)) as server,
+        running(settings(tmp_path, latency=0.04, step_log=step_log)) as server,
         httpx.AsyncClient(base_url=server.url) as client,
     ):
         ids = []
@@ -138,6 +176,49 @@ async def test_delete_during_creation_leaves_nothing(tmp_path: Path) -> None:
         assert (await create(client, 0)).status_code == 202
     for site_id in ids:
         assert_removed(tmp_path, site_id)
+    check_aborts(read_step_log(step_log), ids)
+
+
+async def test_delete_cancels_the_creation_step_that_runs(tmp_path: Path) -> None:
+    """A creation step in the middle of its backend call is cancelled before DELETE answers.
+
+    The worst case of a status-driven workflow: a step that has read `creating`
+    and is busy creating. The DELETE cancels it by its key and answers once it
+    is final; only then does the delete step remove anything.
+    """
+    step_log = tmp_path / "steps.log"
+    async with (
+        running(settings(tmp_path, latency=60.0, seed=1580, step_log=step_log)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        site_id = (await create(client, 1)).json()["id"]
+        # seed=1580: the first backend call (the metadata step's) sleeps 48 s, the next 0.2 s.
+        with trio.fail_after(10):
+            while ("start", site_id, "metadata") not in {
+                (event, s, step) for _, _, event, s, step in read_step_log(step_log)
+            }:
+                await trio.sleep(0.01)
+        with trio.fail_after(10):
+            response = await client.delete(f"/sites/{site_id}")
+        assert response.status_code == 202
+        assert response.json()["attempts"]["metadata"] == 1
+        events = [(event, step) for _, _, event, s, step in read_step_log(step_log) if s == site_id]
+        assert [e for e in events if e[1] in CREATION_STEPS] == [
+            ("start", "metadata"),
+            ("cancelled", "metadata"),
+        ]
+        # The DELETE answered once the step was cancelled; the delete step
+        # (which may start meanwhile) waited for the same.
+        cancelled = events.index(("cancelled", "metadata"))
+        assert cancelled < events.index(("aborted", "request"))
+        await wait_for(client, [site_id], "deleted")
+        events = [(event, step) for _, _, event, s, step in read_step_log(step_log) if s == site_id]
+        assert cancelled < events.index(("aborted", "delete"))
+        body = (await client.get(f"/sites/{site_id}")).json()
+        assert body["metadata_ready"] is False
+    stored = await trio.to_thread.run_sync(stored_requests, tmp_path)
+    assert stored[f"{site_id}:metadata"] == ["cancelled"]
+    assert_removed(tmp_path, site_id)
 
 
 async def test_delete_of_a_running_site_removes_it(tmp_path: Path) -> None:
@@ -155,10 +236,10 @@ async def test_delete_of_a_running_site_removes_it(tmp_path: Path) -> None:
 
 
 async def test_backpressure_answers_503_and_loses_nothing(tmp_path: Path) -> None:
-    """A flood against a small queue gets some 503s; every 202 reaches running."""
+    """A flood beyond max_pending gets 503s, which leave nothing; every 202 reaches running."""
     responses: list[httpx.Response] = []
     async with (
-        running(settings(tmp_path, latency=0.03, capacity=2, max_queue_length=3)) as server,
+        running(settings(tmp_path, latency=0.03, capacity=2, max_pending=3)) as server,
         httpx.AsyncClient(base_url=server.url) as client,
     ):
 
@@ -177,10 +258,11 @@ async def test_backpressure_answers_503_and_loses_nothing(tmp_path: Path) -> Non
         assert refused[0].json() == {"error": "too many pending requests, retry later"}
         ids = [r.json()["id"] for r in accepted]
         await wait_for(client, ids, "running")
-        stats = (await client.get("/stats")).json()
-    assert stats["rejected"] >= len(refused)
     for site_id in ids:
         assert_provisioned(tmp_path, site_id)
+    # A refused site left neither a row nor a step.
+    assert set(stored_states(tmp_path)) == set(ids)
+    assert {key.split(":")[0] for key in stored_requests(tmp_path)} == {str(i) for i in ids}
 
 
 @pytest.mark.parametrize(
@@ -213,7 +295,8 @@ async def test_bad_input_gets_its_exact_400(tmp_path: Path, body: object, messag
         response = await client.post("/sites", json=body)
         assert (response.status_code, response.json()) == (400, {"error": message})
         stats = (await client.get("/stats")).json()
-    assert stats["enqueued"] == 0
+    assert stats["replica"]["enqueued"] == 0
+    assert sum(stats["store"].values()) == 0
 
 
 async def test_not_json_taken_domain_and_unknown_ids(tmp_path: Path) -> None:
@@ -240,12 +323,69 @@ async def test_not_json_taken_domain_and_unknown_ids(tmp_path: Path) -> None:
 
 def stored_states(data: Path) -> dict[int, tuple[str, bool]]:
     """(state, metadata_ready) of every site, read from the status table itself."""
-    connection = sqlite3.connect(data / "status.sqlite3")
+    connection = sqlite3.connect(data / DATABASE)
     try:
         rows = connection.execute("SELECT id, state, metadata_ready FROM sites").fetchall()
     finally:
         connection.close()
     return {site_id: (state, bool(ready)) for site_id, state, ready in rows}
+
+
+def stored_requests(data: Path) -> dict[str, list[str]]:
+    """The states of tickler's requests by key, oldest first, read from the same file."""
+    connection = sqlite3.connect(data / DATABASE)
+    try:
+        rows = connection.execute(
+            "SELECT key, state FROM tickler_requests WHERE queue = ? ORDER BY id", (QUEUE,)
+        ).fetchall()
+    finally:
+        connection.close()
+    requests: dict[str, list[str]] = {}
+    for key, state in rows:
+        requests.setdefault(json.loads(key), []).append(state)
+    return requests
+
+
+async def test_a_202_means_the_site_and_its_first_step_both_exist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """POST and DELETE write the status and enqueue the step in one transaction."""
+    hold = trio.Event()
+
+    async def held(backend: Backend) -> None:
+        await hold.wait()
+
+    monkeypatch.setattr(Backend, "call", held)
+    async with (
+        running(settings(tmp_path)) as server,
+        httpx.AsyncClient(base_url=server.url) as client,
+    ):
+        site_id = (await create(client, 1)).json()["id"]
+        assert stored_states(tmp_path) == {site_id: ("creating", False)}
+        assert stored_requests(tmp_path)[f"{site_id}:metadata"] in (["queued"], ["running"])
+        # An enqueue that fails takes the site with it: no row, no 202.
+        enqueue = Transaction.enqueue
+
+        def failing(self: Transaction, step: Step) -> None:
+            enqueue(self, step)
+            raise sqlite3.OperationalError("disk I/O error")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Transaction, "enqueue", failing)
+            assert (await create(client, 2)).status_code == 500
+            assert (await client.delete(f"/sites/{site_id}")).status_code == 500
+        assert stored_states(tmp_path) == {site_id: ("creating", False)}
+        assert set(stored_requests(tmp_path)) == {f"{site_id}:metadata"}
+        # Deleted twice: one delete step, whichever replica enqueued it.
+        assert (await client.delete(f"/sites/{site_id}")).status_code == 202
+        assert (await client.delete(f"/sites/{site_id}")).status_code == 202
+        assert stored_requests(tmp_path)[f"{site_id}:delete"] in (["queued"], ["running"])
+        hold.set()
+        await wait_for(client, [site_id], "deleted")
+    assert stored_requests(tmp_path) == {
+        f"{site_id}:metadata": ["cancelled"],
+        f"{site_id}:delete": ["succeeded"],
+    }
 
 
 # The first server's backend takes this many calls, then hangs every later one, and the hard
@@ -307,6 +447,8 @@ async def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
         "0.05",
         "--shutdown-timeout",
         "0.5",
+        "--poll-interval",
+        "0.05",
     ]
     process = await trio.lowlevel.open_process(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
@@ -337,7 +479,7 @@ async def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
 
 
 async def test_a_step_is_never_live_twice(tmp_path: Path) -> None:
-    """Steps are keyed by themselves: enqueued again while live, they run once."""
+    """Steps are keyed "{site_id}:{step}": enqueued again while live, they run once."""
     gate = trio.Event()
 
     @attrs.define
@@ -345,21 +487,33 @@ async def test_a_step_is_never_live_twice(tmp_path: Path) -> None:
         async def call(self) -> None:
             await gate.wait()
 
-    store = Store(tmp_path / "status.sqlite3")
+    database = SqliteDatabase(tmp_path / DATABASE, lease=30.0, poll_interval=0.05)
+    sites = Sites(database)
     try:
-        async with tickler.open_service(Workflow(store, tmp_path, HeldBackend())) as service:
-            status = await store.create("Site", "a site", "site-1")
-            step = Step("metadata", status["id"])
+        async with tickler.open_service(
+            Workflow(sites, tmp_path, HeldBackend()), name=QUEUE, store=database.store
+        ) as service:
+            status = await sites.create("Site", "a site", "site-1", max_pending=10)
+            step = Step(status["id"], "metadata")
             enqueue_steps(service, [step, step])
-            await trio.testing.wait_all_tasks_blocked()
-            enqueue_steps(service, [step])
-            stats = service.statistics()
-            assert (stats.enqueued, stats.deduplicated) == (1, 2)
+            with trio.fail_after(10):
+                while (ticket := await service.lookup(step.key)) is None or ticket.attempts == 0:
+                    await trio.sleep(0.01)
+            enqueue_steps(service, [step])  # while it runs
+            with trio.fail_after(10):  # each enqueue, once committed, found the key live
+                while service.statistics().deduplicated < 3:
+                    await trio.sleep(0.01)
             gate.set()
+            with trio.fail_after(10):
+                while (await sites.get(status["id"]) or {}).get("state") != "running":
+                    await trio.sleep(0.01)
             await service.join()
-        final = await store.get(status["id"])
+            ticket = await service.lookup(step.key)
+        final = await sites.get(status["id"])
     finally:
-        store.close()
+        database.close()
     assert final is not None
     assert final["state"] == "running"
-    assert final["attempts"]["metadata"] == 1
+    assert ticket is not None
+    assert (ticket.status, ticket.attempts) == (tickler.Status.SUCCEEDED, 1)
+    assert stored_requests(tmp_path)[step.key] == ["succeeded"]

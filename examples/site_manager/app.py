@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import attrs
 import hypercorn.config
@@ -17,8 +18,8 @@ from starlette.routing import Route
 
 import tickler
 
-from .store import DomainTaken, Store
-from .workflow import Backend, BackendError, Step, Workflow, enqueue_steps, next_steps
+from .store import QUEUE, STEPS, DomainTaken, Sites, Step, TooManyPending, open_database
+from .workflow import Backend, BackendError, StepLog, Workflow, abort_creation
 
 MAX_NAME = 100
 DNS_LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
@@ -27,19 +28,32 @@ RETRY_AFTER = "1"
 
 @attrs.frozen
 class Settings:
-    """How the service runs. The defaults suit a demo; tests shrink the delays."""
+    """How the service runs. The defaults suit a demo; tests shrink the delays.
+
+    ``data`` holds the sites' files and, without ``postgres``, the SQLite
+    file of the status table and tickler's queue. With ``postgres`` (a DSN)
+    both live in that database instead, the status table in ``schema`` and
+    the queue in ``<schema>_queue``, and any number of replicas share them.
+    """
 
     data: Path
+    postgres: str | None = None
+    schema: str = "site_manager"
     host: str = "127.0.0.1"
     port: int = 8000
     fail_rate: float = 0.0
     latency: float = 0.05
     capacity: int = 16
     max_queue_length: int = 1000
+    max_pending: int = 1000
+    lease: float = 30.0
+    poll_interval: float = 1.0
     retry_initial: float = 0.05
     retry_maximum: float = 2.0
+    abort_timeout: float = 10.0
     shutdown_timeout: float = 5.0
     seed: int | None = None
+    step_log: Path | None = None
 
 
 class BadInput(Exception):
@@ -76,8 +90,26 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def make_app(store: Store, service: tickler.Service[Step, None]) -> Starlette:
+def make_app(
+    sites: Sites,
+    service: tickler.Service[str, None],
+    settings: Settings,
+    log: StepLog | None = None,
+) -> Starlette:
     """The ASGI app: POST/GET/DELETE /sites and GET /stats."""
+    if log is None:
+        log = StepLog()
+
+    async def describe(status: dict[str, Any]) -> dict[str, Any]:
+        """The status, with each step's attempts as tickler counts them, in any replica."""
+        tickets = [await service.lookup(Step(status["id"], name).key) for name in STEPS]
+        return {
+            **status,
+            "attempts": {
+                name: ticket.attempts if ticket is not None else 0
+                for name, ticket in zip(STEPS, tickets, strict=True)
+            },
+        }
 
     async def create_site(request: Request) -> Response:
         try:
@@ -89,43 +121,50 @@ def make_app(store: Store, service: tickler.Service[Step, None]) -> Starlette:
         except BadInput as exc:
             return error(400, str(exc))
         try:
-            status = await store.create(name, tagline, domain)
+            # The site and its first step, committed together.
+            status = await sites.create(name, tagline, domain, max_pending=settings.max_pending)
         except DomainTaken:
             return error(409, f"domain {domain!r} is already taken")
-        try:
-            enqueue_steps(service, [Step("metadata", status["id"])])
-        except (tickler.QueueFull, tickler.ServiceClosed):
-            await store.forget(status["id"])
+        except TooManyPending:
             return error(
                 503, "too many pending requests, retry later", {"Retry-After": RETRY_AFTER}
             )
-        return JSONResponse(status, status_code=202, headers={"Location": f"/sites/{status['id']}"})
+        return JSONResponse(
+            await describe(status), status_code=202, headers={"Location": f"/sites/{status['id']}"}
+        )
 
     async def get_site(request: Request) -> Response:
         site_id = request.path_params["site_id"]
-        status = await store.get(site_id)
+        status = await sites.get(site_id)
         if status is None:
             return error(404, f"no site with id {site_id}")
-        return JSONResponse(status)
+        return JSONResponse(await describe(status))
 
     async def delete_site(request: Request) -> Response:
         site_id = request.path_params["site_id"]
-        status = await store.mark_deleting(site_id)
+        # `deleting` and the delete step, committed together.
+        status = await sites.mark_deleting(site_id)
         if status is None:
             return error(404, f"no site with id {site_id}")
         if status["state"] == "deleting":
-            try:
-                enqueue_steps(service, [Step("delete", site_id)])
-            except (tickler.QueueFull, tickler.ServiceClosed):
-                # The site stays `deleting`; restart recovery or a repeated
-                # DELETE enqueues its delete again.
-                return error(
-                    503, "too many pending requests, retry later", {"Retry-After": RETRY_AFTER}
-                )
-        return JSONResponse(status, status_code=202, headers={"Location": f"/sites/{site_id}"})
+            # Stop the creation steps now, in whichever replica runs them. The
+            # delete step does the same before it removes anything, so this
+            # wait may give up (a replica that died holds a step until its
+            # lease expires).
+            with trio.move_on_after(settings.abort_timeout):
+                await abort_creation(service, site_id)
+                log.write("aborted", site_id, "request")
+        return JSONResponse(
+            await describe(status), status_code=202, headers={"Location": f"/sites/{site_id}"}
+        )
 
     async def stats(request: Request) -> Response:
-        return JSONResponse(attrs.asdict(service.statistics()))
+        return JSONResponse(
+            {
+                "replica": attrs.asdict(service.statistics()),
+                "store": await service.store_statistics(),
+            }
+        )
 
     return Starlette(
         routes=[
@@ -135,14 +174,6 @@ def make_app(store: Store, service: tickler.Service[Step, None]) -> Starlette:
             Route("/stats", stats, methods=["GET"]),
         ]
     )
-
-
-async def recover(store: Store, service: tickler.Service[Step, None]) -> int:
-    """Enqueue the next steps of every site left `creating` or `deleting`."""
-    pending = [step for status in await store.unfinished() for step in next_steps(status)]
-    for step in pending:
-        await service.submit(step, key=step)  # waits for room like any caller
-    return len(pending)
 
 
 async def serve(
@@ -155,36 +186,45 @@ async def serve(
 
     Reports the base URL it listens on through ``task_status``. On shutdown it
     stops taking HTTP requests, then drains tickler for at most
-    ``settings.shutdown_timeout`` seconds; what does not finish stays
-    `creating` or `deleting` in the store and is picked up by recovery on the
-    next start. Cancelling this task instead is a hard stop.
+    ``settings.shutdown_timeout`` seconds; what does not finish stays in the
+    store, and this replica or another runs it. Cancelling this task instead
+    is a hard stop.
     """
     if shutdown is None:
         shutdown = trio.Event()
-    settings.data.mkdir(parents=True, exist_ok=True)
-    store = Store(settings.data / "status.sqlite3")
+    database = await trio.to_thread.run_sync(
+        lambda: open_database(
+            settings.data,
+            settings.postgres,
+            settings.schema,
+            lease=settings.lease,
+            poll_interval=settings.poll_interval,
+        )
+    )
+    log = StepLog(settings.step_log)
     try:
+        sites = Sites(database)
         rng = random.Random(settings.seed)  # noqa: S311 - simulated failures, not secrets
         workflow = Workflow(
-            store, settings.data, Backend(settings.latency, settings.fail_rate, rng)
+            sites, settings.data, Backend(settings.latency, settings.fail_rate, rng), log
         )
-        # Backend failures are retried until they succeed (or a stop's
-        # deadline ends them); the restart picks up what a stop cut short.
+        # Backend and database failures are retried until they succeed (or
+        # a stop's deadline ends them, and the store runs them again later).
         retry = tickler.Retry(
             attempts=None,
             initial=settings.retry_initial,
             maximum=settings.retry_maximum,
-            on=(BackendError, tickler.QueueFull),
+            on=(BackendError, tickler.QueueFull, *database.transient),
         )
         async with tickler.open_service(
             workflow,
             capacity=settings.capacity,
             max_queue_length=settings.max_queue_length,
             retry=retry,
-            name="site_manager",
+            name=QUEUE,
+            store=database.store,
             shutdown_timeout=settings.shutdown_timeout,
         ) as service:
-            await recover(store, service)
             config = hypercorn.config.Config()
             config.bind = [f"{settings.host}:{settings.port}"]
             config.graceful_timeout = min(settings.shutdown_timeout, 5.0)
@@ -192,7 +232,7 @@ async def serve(
             async with trio.open_nursery() as nursery:
                 binds = await nursery.start(
                     lambda task_status: hypercorn.trio.serve(
-                        make_app(store, service),  # type: ignore[arg-type]  # Starlette and hypercorn type ASGI apart
+                        make_app(sites, service, settings, log),  # type: ignore[arg-type]  # Starlette and hypercorn type ASGI apart
                         config,
                         shutdown_trigger=shutdown.wait,
                         task_status=task_status,
@@ -200,4 +240,6 @@ async def serve(
                 )
                 task_status.started(binds[0])
     finally:
-        store.close()
+        log.close()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(database.close)
