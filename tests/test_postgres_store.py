@@ -210,3 +210,40 @@ def test_a_keyed_insert_tries_again_when_the_live_row_ends_in_between() -> None:
 
     assert insert_keyed(execute, "jobs", '"k"', "queued", b"1", 0.0, 0.0) == (5, True)
     assert asked == [True, False, True]
+
+
+async def test_a_replica_does_not_claim_again_its_own_running_request_whose_lease_lapsed(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: a lease that lapsed while the replica could not reach the server (a restart,
+    a stall) was claimed again by that same replica, which then ran the request twice at once.
+
+    Its next look renews the lease instead; only another replica may take the request over.
+    """
+    starts: list[int] = []
+    release = trio.Event()
+
+    async def handler(request: int) -> int:
+        starts.append(request)
+        if request == 1:
+            await release.wait()
+        return request
+
+    queue = store(postgres_dsn, postgres_schema, poll_interval=30.0, lease=30.0)
+    async with tickler.open_service(handler, store=queue, name="jobs") as service:
+        held = await service.submit(1)
+        with trio.fail_after(5):
+            while starts != [1]:
+                await trio.sleep(0.01)
+        with psycopg.connect(postgres_dsn) as connection:  # as if the server had been away
+            connection.execute(
+                f'UPDATE "{postgres_schema}".tickler_requests'  # noqa: S608
+                " SET lease_until = extract(epoch FROM clock_timestamp()) - 1 WHERE id = %s",
+                (held.id,),
+            )
+        with trio.fail_after(5):  # a batch that claims, before the next look
+            assert await (await service.submit(2)).wait() == 2
+        release.set()
+        with trio.fail_after(5):
+            assert await held.wait() == 1
+    assert starts == [1, 2]

@@ -68,7 +68,10 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 """
 
 # One statement per wake-up: the oldest ready rows and the expired leases,
-# skipping rows another replica is claiming at this instant.
+# skipping rows another replica is claiming at this instant. A lease of this
+# replica's own that lapsed (the server was away longer than the lease) is
+# never claimed by it again: its attempt still runs here, and the next look
+# renews the lease (or hands back a row this replica never learned it held).
 _CLAIM = """
 UPDATE tickler_requests
 SET state = 'running', owner = :owner, lease_until = :lease_until,
@@ -77,7 +80,7 @@ WHERE id IN (
     SELECT id FROM tickler_requests
     WHERE queue = :queue AND (
         (state IN ('queued', 'scheduled', 'retrying') AND run_at <= :now)
-        OR (state = 'running' AND lease_until < :now)
+        OR (state = 'running' AND lease_until < :now AND owner <> :owner)
     )
     ORDER BY run_at, id LIMIT :limit
     FOR UPDATE SKIP LOCKED
