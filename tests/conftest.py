@@ -240,3 +240,18 @@ def postgres_schema(postgres_dsn: str) -> Iterator[str]:
     yield schema
     with psycopg.connect(postgres_dsn, autocommit=True) as connection:
         connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture
+def cluster_schema(postgres_cluster: Cluster) -> Iterator[str]:
+    """A fresh schema name on the throwaway cluster, for a test that restarts it."""
+    import uuid
+
+    import psycopg
+
+    schema = f"tickler_test_{uuid.uuid4().hex[:12]}"
+    yield schema
+    if not postgres_cluster.executor.running():
+        postgres_cluster.start()  # a test that failed with the server down
+    with psycopg.connect(postgres_cluster.dsn, autocommit=True) as connection:
+        connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -8,6 +8,7 @@ enqueues, and a reconnect when the server went away.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ from ._sqlite import (
 
 if TYPE_CHECKING:
     import psycopg
+
+logger = logging.getLogger("tickler")
 
 # A schema's name also names its NOTIFY channel, "tickler_" + schema, which
 # PostgreSQL caps at 63 bytes.
@@ -188,8 +191,9 @@ class PostgresStore:
 class Listener:
     """LISTEN on a connection of its own, on a thread; calls ``wake`` per notification.
 
-    A lost connection is opened again after a second; the poll covers
-    whatever was notified meanwhile.
+    A lost connection is opened again every second, with a WARNING when it is
+    lost and one when it listens again; the poll covers whatever was notified
+    meanwhile.
     """
 
     def __init__(self, store: PostgresStore, queue: str) -> None:
@@ -202,15 +206,29 @@ class Listener:
         import psycopg.sql
 
         listen = psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(self.store.channel))
+        lost: str | None = None  # why the last connection failed, until one listens again
         while not self.stopped:
             try:
                 with psycopg.connect(self.store.dsn, autocommit=True, connect_timeout=10) as db:
                     db.execute(listen)
+                    if lost is not None:
+                        logger.warning("service %r: listening for NOTIFY again", self.queue)
+                        lost = None
+                        wake()  # what was notified meanwhile
                     while not self.stopped:
                         for notice in db.notifies(timeout=0.5):
                             if notice.payload == self.queue:
                                 wake()
-            except psycopg.Error:
+            except psycopg.Error as exc:
+                if lost is None and not self.stopped:
+                    lost = " ".join(str(exc).split()) or type(exc).__name__
+                    logger.warning(
+                        "service %r: the NOTIFY connection failed (%s); trying again every"
+                        " second, and polling every %s s meanwhile",
+                        self.queue,
+                        lost,
+                        self.store.poll_interval,
+                    )
                 time.sleep(1.0)
 
     def stop(self) -> None:
@@ -335,6 +353,10 @@ class PostgresConnection(Connection):
     def _reconnect_if_broken(self) -> None:
         if self.db.closed or self.db.broken:
             self.db = self._open()
+            logger.warning(
+                "%r: connected to PostgreSQL again, the last session having been lost",
+                self.pg_store,
+            )
 
     def close(self) -> None:
         self.db.close()
