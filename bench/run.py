@@ -2,6 +2,7 @@
 
     python -m bench            # the full run (a few minutes)
     python -m bench --quick    # a tiny smoke run, as CI does
+    python -m bench --postgres-only    # only the PostgreSQL rows (bench/postgres.py)
 
 Every figure is a median over rounds; within a round the variants run one
 after another, so drift hits them alike. Ratios compare variants measured in
@@ -25,7 +26,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import TypeVar
@@ -33,6 +34,8 @@ from typing import TypeVar
 import trio
 
 import tickler
+
+from . import postgres
 
 T = TypeVar("T")
 
@@ -84,6 +87,7 @@ class Config:
     memory: int = 100_000
     submits: int = 300
     rounds: int = 5
+    postgres: postgres.PgConfig = field(default_factory=postgres.PgConfig)
 
 
 QUICK = Config(
@@ -95,6 +99,7 @@ QUICK = Config(
     memory=2_000,
     submits=20,
     rounds=2,
+    postgres=postgres.QUICK,
 )
 
 
@@ -599,7 +604,7 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
 
         sample("memory", in_context(False, trio.run, memory_per_request, config.memory))
         sample("memory_var", in_context(True, trio.run, memory_per_request, config.memory))
-    return list(table.values())
+    return [*table.values(), *postgres.run(config.postgres, out)]
 
 
 def ratio(row: Row, rows: dict[str, Row]) -> float | None:
@@ -650,8 +655,15 @@ def render(table: list[Row], config: Config) -> str:
             f"| {row.workload} | {row.variant} | {median} | {row.unit} | {ratio_text} |"
             f" {target} | {verdict(row, rows)} |"
         )
-    lines += [
-        "",
+    lines.append("")
+    if "tickler" in rows:  # not with --postgres-only
+        lines += _in_memory_notes(rows, config)
+    lines += postgres.notes(config.postgres)
+    return "\n".join(lines)
+
+
+def _in_memory_notes(rows: dict[str, Row], config: Config) -> list[str]:
+    lines = [
         f"Burst: {config.burst:,} no-op requests (one checkpoint each) at concurrency"
         f" {config.concurrency}, all enqueued at once; tickler"
         f" {1e6 / rows['tickler'].median:.2f} us/request. Trickle: {config.trickle:,} requests"
@@ -664,13 +676,19 @@ def render(table: list[Row], config: Config) -> str:
     ]
     if aiojobs is None:
         lines.append("aiojobs skipped: install the bench extra (pip install -e '.[bench]').")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke check")
     parser.add_argument("--rounds", type=int, help="rounds per workload (default 5)")
+    parser.add_argument(
+        "--postgres-only", action="store_true", help="only the PostgreSQL rows (bench/postgres.py)"
+    )
+    parser.add_argument(
+        "--postgres-rounds", type=int, help="rounds of the PostgreSQL rows (default 1)"
+    )
     parser.add_argument(
         "--no-gc",
         action="store_true",
@@ -682,8 +700,14 @@ def main(argv: list[str] | None = None) -> None:
     config = QUICK if args.quick else Config()
     if args.rounds is not None:
         config.rounds = args.rounds
+    if args.postgres_rounds is not None:
+        config.postgres.rounds = args.postgres_rounds
     print(f"running the {'quick' if args.quick else 'full'} benchmark", file=sys.stderr)
-    table = run(config, out=lambda line: print(line, file=sys.stderr))
+
+    def out(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    table = postgres.run(config.postgres, out) if args.postgres_only else run(config, out)
     print(render(table, config))
     if args.no_gc:
         print(

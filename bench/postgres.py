@@ -1,0 +1,587 @@
+"""tickler's PostgresStore next to pgqueuer and procrastinate, on one server, in one run.
+
+Every system runs its own worker in a process of its own (bench/pg_worker.py,
+started with ``sys.executable``), against the same server, in a database of
+the benchmark's own (``tickler_bench``, created if missing), each in its own
+schema, emptied and installed again (with the system's own schema install)
+before every measurement.
+
+- **Drain**: ``drain`` no-op requests are inserted first, the server is
+  ANALYZEd and CHECKPOINTed, then the worker starts (concurrency 100). The
+  time runs from the server's clock just before the parent tells the worker
+  to go, to the completion time each store records for the request that
+  completed last (tickler's ``finished_at``, pgqueuer's log row ``created``,
+  procrastinate's ``succeeded`` event ``at``: each the time of the
+  transaction that made it final). The parent polls the store every half
+  second until they are all final, and the poll does not bound the time.
+  Where a baseline is too slow to drain every request within the time the
+  benchmark allows, the same holds for its first ``counted`` completions out
+  of the ``drain`` inserted, and its row says so.
+- **Latency**: an idle worker runs; the parent enqueues one request at a
+  time, stamped with ``time.time_ns()`` just before the enqueue call, through
+  each system's way across processes (tickler: ``store.enqueue_in`` in a
+  transaction of the parent's own connection, then COMMIT, which NOTIFYs;
+  pgqueuer: ``Queries.enqueue``, whose trigger NOTIFYs; procrastinate:
+  ``defer_async``). The handler reports its start minus the stamp; the parent
+  waits ``gap`` seconds between requests, so each finds the worker idle.
+- **Enqueue**: see pg_worker's enqueue mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import quote, urlencode
+
+if TYPE_CHECKING:
+    from .run import Row
+
+DSN_ENV = "TICKLER_BENCH_POSTGRES"
+DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+DATABASE = "tickler_bench"
+SCHEMAS = {"tickler": "tickler_bench", "pgqueuer": "pgqueuer", "procrastinate": "procrastinate"}
+WORKER = Path(__file__).with_name("pg_worker.py")
+QUEUE = "bench"
+
+
+@dataclass
+class PgConfig:
+    drain: int = 100_000
+    concurrency: int = 100
+    counted: int = 10_000  # completions timed for the slowest baseline (procrastinate)
+    counted_default: int = 20_000  # and for pgqueuer at its default batch size
+    latency: int = 200
+    gap: float = 0.05
+    settle: float = 1.0
+    submits: int = 10_000
+    each: int = 1_000
+    batch: int = 10_000
+    rounds: int = 1
+    poll: float = 0.5
+    timeout: float = 600.0
+    skipped: str = ""  # set by run(): why rows have no samples
+    machine: str = ""  # set by run(): the server and the libraries measured
+
+
+QUICK = PgConfig(
+    drain=500,
+    counted=500,
+    counted_default=500,
+    latency=10,
+    gap=0.02,
+    settle=0.5,
+    submits=100,
+    each=20,
+    batch=200,
+    poll=0.1,
+    timeout=60.0,
+)
+
+
+# -- the server ---------------------------------------------------------------------
+
+
+def with_database(dsn: str, dbname: str) -> str:
+    """The DSN as a URL (asyncpg reads only URLs) naming another database."""
+    import psycopg.conninfo
+
+    params: dict[str, Any] = {
+        k: str(v) for k, v in psycopg.conninfo.conninfo_to_dict(dsn).items() if v is not None
+    }
+    params.pop("dbname", None)
+    user = quote(params.pop("user", ""), safe="")
+    password = params.pop("password", None)
+    host = params.pop("host", "")
+    port = params.pop("port", "")
+    if host.startswith("/"):  # a socket directory goes in the query
+        params["host"], host = host, ""
+    credentials = f"{user}:{quote(password, safe='')}" if password is not None else user
+    netloc = (f"{credentials}@" if credentials else "") + host + (f":{port}" if port else "")
+    query = f"?{urlencode(params)}" if params else ""
+    return f"postgresql://{netloc}/{quote(dbname, safe='')}{query}"
+
+
+def open_database(dsn: str) -> str:
+    """The benchmark database's DSN, created if missing; raises if the server cannot be reached."""
+    import psycopg
+    import psycopg.sql
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as db:
+        found = db.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone()
+        if found is None:
+            create = psycopg.sql.SQL("CREATE DATABASE {}")
+            db.execute(create.format(psycopg.sql.Identifier(DATABASE)))
+    return with_database(dsn, DATABASE)
+
+
+def reset_schema(dsn: str, system: str) -> None:
+    """Drop the system's schema; create it empty for the baselines (tickler creates its own)."""
+    import psycopg
+
+    schema = SCHEMAS[system]
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        if system != "tickler":
+            db.execute(f'CREATE SCHEMA "{schema}"')
+
+
+def drop_schemas(dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as db:
+        for schema in SCHEMAS.values():
+            db.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def server_version(dsn: str) -> str:
+    import psycopg
+
+    with psycopg.connect(dsn) as db:
+        row = db.execute("SHOW server_version").fetchone()
+    return str(row[0]).split()[0] if row else "?"
+
+
+# -- worker processes ---------------------------------------------------------------
+
+
+class Worker:
+    """A pg_worker.py process: JSON lines out, commands in."""
+
+    def __init__(self, system: str, mode: str, config: dict[str, Any]) -> None:
+        self.system = system
+        self.stderr: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(  # noqa: S603 - our own script, our own interpreter
+            [sys.executable, str(WORKER), system, mode, json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait()
+            self.stderr.seek(0)
+            raise RuntimeError(
+                f"the {self.system} worker ended (exit {self.process.returncode}):\n"
+                + self.stderr.read()[-3000:]
+            )
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Ask the worker to stop, and wait for it (kill it past the timeout)."""
+        try:
+            if self.process.poll() is None:
+                self.send("stop")
+                assert self.process.stdin is not None
+                self.process.stdin.close()
+            self.process.wait(timeout)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait()
+        finally:
+            self.stderr.close()
+
+
+def worker_config(dsn: str, system: str, config: PgConfig, **extra: object) -> dict[str, Any]:
+    return {
+        "dsn": dsn,
+        "schema": SCHEMAS[system],
+        "concurrency": config.concurrency,
+        # pgqueuer's largest batch at this concurrency (it refuses
+        # max_concurrent_tasks < 2 * batch_size): its fastest drain here.
+        "batch_size": config.concurrency // 2,
+        "settle": config.settle,
+        **extra,
+    }
+
+
+# -- drain --------------------------------------------------------------------------
+
+# The completions a store has recorded, and the time of the k-th (epoch seconds).
+_COMPLETIONS = {
+    "tickler": (
+        "SELECT count(*) FROM {s}.tickler_requests WHERE state = 'succeeded'",
+        "SELECT finished_at FROM {s}.tickler_requests WHERE state = 'succeeded'"
+        " ORDER BY finished_at OFFSET %s LIMIT 1",
+    ),
+    "pgqueuer": (
+        "SELECT count(*) FROM {s}.pgqueuer_log WHERE status = 'successful'",
+        "SELECT extract(epoch FROM created)::float8 FROM {s}.pgqueuer_log"
+        " WHERE status = 'successful' ORDER BY created OFFSET %s LIMIT 1",
+    ),
+    "procrastinate": (
+        "SELECT count(*) FROM {s}.procrastinate_events WHERE type = 'succeeded'",
+        "SELECT extract(epoch FROM at)::float8 FROM {s}.procrastinate_events"
+        " WHERE type = 'succeeded' ORDER BY at OFFSET %s LIMIT 1",
+    ),
+}
+
+
+def drain(dsn: str, system: str, config: PgConfig, counted: int, **options: object) -> float:
+    """Requests a second: ``counted`` completions out of ``config.drain`` inserted first."""
+    import psycopg
+
+    reset_schema(dsn, system)
+    worker = Worker(system, "drain", worker_config(dsn, system, config, n=config.drain, **options))
+    try:
+        assert worker.read().get("ready")
+        count_sql, kth_sql = (sql.format(s=SCHEMAS[system]) for sql in _COMPLETIONS[system])
+        with psycopg.connect(dsn, autocommit=True) as db:
+            db.execute("ANALYZE")
+            db.execute("CHECKPOINT")
+            row = db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+            assert row is not None
+            start = float(row[0])
+            worker.send("go")
+            deadline = time.monotonic() + config.timeout
+            while True:
+                row = db.execute(count_sql).fetchone()
+                if row is not None and row[0] >= counted:
+                    break
+                if worker.process.poll() is not None:
+                    worker.read()  # raises with the worker's stderr
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{system}: fewer than {counted:,} completions in time")
+                time.sleep(config.poll)
+            row = db.execute(kth_sql, (counted - 1,)).fetchone()
+            assert row is not None
+            return counted / (float(row[0]) - start)
+    finally:
+        worker.close()
+
+
+# -- latency ------------------------------------------------------------------------
+
+
+def latency(dsn: str, system: str, config: PgConfig) -> list[float]:
+    """Milliseconds from the stamp before each enqueue call to its handler's start."""
+    reset_schema(dsn, system)
+    worker = Worker(system, "latency", worker_config(dsn, system, config))
+    try:
+        assert worker.read().get("ready")
+        if system == "tickler":
+            return _latency_tickler(dsn, worker, config)
+        return asyncio.run(_latency_asyncio(dsn, system, worker, config))
+    finally:
+        worker.close()
+
+
+def _latency_tickler(dsn: str, worker: Worker, config: PgConfig) -> list[float]:
+    import psycopg
+
+    import tickler
+
+    store = tickler.PostgresStore(dsn, schema=SCHEMAS["tickler"])
+    samples: list[float] = []
+    with psycopg.connect(dsn) as db:
+        for _ in range(config.latency):
+            time.sleep(config.gap)
+            stamp = time.time_ns()
+            with db.transaction():  # COMMIT ends the block: the NOTIFY goes out then
+                store.enqueue_in(db, QUEUE, stamp)
+            samples.append(worker.read()["latency_ns"] / 1e6)
+    return samples
+
+
+async def _latency_asyncio(dsn: str, system: str, worker: Worker, config: PgConfig) -> list[float]:
+    loop = asyncio.get_running_loop()
+    samples: list[float] = []
+    enqueue: Callable[[int], Any]
+    if system == "pgqueuer":
+        import asyncpg
+        from pgqueuer import AsyncpgDriver, Queries
+
+        connection = await asyncpg.connect(dsn, server_settings={"search_path": SCHEMAS[system]})
+        queries = Queries(AsyncpgDriver(connection))
+
+        def enqueue(stamp: int) -> Any:
+            return queries.enqueue(QUEUE, str(stamp).encode())
+
+        close: Callable[[], Any] = connection.close
+    else:
+        from . import pg_worker
+
+        app = pg_worker.procrastinate_app({"dsn": dsn, "schema": SCHEMAS[system]}, "enqueue")
+        await app.open_async()
+        task = app.tasks["noop"]
+
+        def enqueue(stamp: int) -> Any:
+            return task.defer_async(stamp=stamp)
+
+        close = app.close_async
+    try:
+        for _ in range(config.latency):
+            await asyncio.sleep(config.gap)
+            await enqueue(time.time_ns())
+            message = await loop.run_in_executor(None, worker.read)
+            samples.append(message["latency_ns"] / 1e6)
+    finally:
+        await close()
+    return samples
+
+
+# -- enqueue ------------------------------------------------------------------------
+
+
+def enqueue_rates(dsn: str, system: str, config: PgConfig) -> dict[str, float]:
+    reset_schema(dsn, system)
+    worker = Worker(
+        system,
+        "enqueue",
+        worker_config(
+            dsn, system, config, submits=config.submits, each=config.each, batch=config.batch
+        ),
+    )
+    try:
+        rates: dict[str, float] = worker.read()["rates"]
+        return rates
+    finally:
+        worker.close()
+
+
+# -- rows ---------------------------------------------------------------------------
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def rows(config: PgConfig) -> list[Row]:
+    from .run import Row
+
+    n, c = f"{config.drain:,}", config.concurrency
+    pgq = f"pgqueuer, max_concurrent_tasks={c}, batch_size={c // 2}"
+    proc = f"procrastinate, concurrency={c}"
+    return [
+        Row(
+            "pg_tickler",
+            "pg drain",
+            f"tickler PostgresStore, capacity={c}",
+            [],
+            "req/s",
+            "pg_pgq",
+            ("ratio", ">=", 2.0),
+        ),
+        Row(
+            "pg_tickler_proc",
+            "pg drain",
+            f"tickler PostgresStore, capacity={c}",
+            [],
+            "req/s",
+            "pg_proc",
+            ("ratio", ">=", 5.0),
+        ),
+        Row("pg_pgq", "pg drain", pgq, [], "req/s"),
+        Row(
+            "pg_pgq_default",
+            "pg drain",
+            f"pgqueuer, max_concurrent_tasks={c}, batch_size=10 (its default),"
+            f" first {config.counted_default:,} of {n}",
+            [],
+            "req/s",
+            "pg_pgq",
+        ),
+        Row(
+            "pg_proc",
+            "pg drain",
+            f"{proc}, first {config.counted:,} of {n}",
+            [],
+            "req/s",
+            "pg_pgq",
+        ),
+        *(
+            Row(
+                f"pg_{p}_{system}",
+                f"pg latency {p}",
+                variant,
+                [],
+                "ms",
+                None if system == "pgq" else f"pg_{p}_pgq",
+                ("ratio", "<=", 1.0) if system == "tickler" else None,
+            )
+            for p in ("p50", "p99")
+            for system, variant in (
+                ("tickler", "tickler, enqueue_in + COMMIT in another process"),
+                ("pgq", "pgqueuer, Queries.enqueue in another process"),
+                ("proc", "procrastinate, defer_async in another process"),
+            )
+        ),
+        Row(
+            "pg_submit",
+            "pg enqueue",
+            f"tickler submit, {config.submits:,} in parallel, to their commits",
+            [],
+            "req/s",
+            "pg_submit_pgq",
+        ),
+        Row(
+            "pg_submit_pgq",
+            "pg enqueue",
+            f"pgqueuer enqueue, {config.submits:,} concurrent calls, asyncpg pool of 10",
+            [],
+            "req/s",
+        ),
+        Row(
+            "pg_submit_proc",
+            "pg enqueue",
+            f"procrastinate defer_async, {config.submits:,} concurrent calls, pool of 4",
+            [],
+            "req/s",
+            "pg_submit_pgq",
+        ),
+        Row(
+            "pg_each",
+            "pg enqueue",
+            "tickler enqueue_in, one per caller transaction (BEGIN, enqueue_in, COMMIT)",
+            [],
+            "req/s",
+            "pg_each_pgq",
+        ),
+        Row(
+            "pg_each_pgq",
+            "pg enqueue",
+            "pgqueuer enqueue, one job per call (autocommit)",
+            [],
+            "req/s",
+        ),
+        Row(
+            "pg_each_proc",
+            "pg enqueue",
+            "procrastinate defer_async, one job per call",
+            [],
+            "req/s",
+            "pg_each_pgq",
+        ),
+        Row(
+            "pg_batch",
+            "pg enqueue",
+            f"tickler enqueue_in, {config.batch:,} calls in one caller transaction",
+            [],
+            "req/s",
+            "pg_batch_pgq",
+        ),
+        Row(
+            "pg_batch_pgq",
+            "pg enqueue",
+            f"pgqueuer enqueue, {config.batch:,} jobs in one call",
+            [],
+            "req/s",
+        ),
+        Row(
+            "pg_batch_proc",
+            "pg enqueue",
+            f"procrastinate batch_defer_async, {config.batch:,} jobs in one call",
+            [],
+            "req/s",
+            "pg_batch_pgq",
+        ),
+    ]
+
+
+def _percentile(samples: list[float], p: int) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[p - 1]
+
+
+def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
+    """Every PostgreSQL row, measured; without samples (and config.skipped set) if it cannot be."""
+    table = {row.key: row for row in rows(config)}
+    dsn = os.environ.get(DSN_ENV, DEFAULT_DSN)
+    try:
+        bench_dsn = open_database(dsn)
+    except Exception as exc:
+        config.skipped = f"no PostgreSQL at {dsn} ({type(exc).__name__}: {exc})".strip()
+        out(f"  postgres: skipped: {config.skipped}")
+        return list(table.values())
+    missing = [name for name in ("pgqueuer", "procrastinate", "asyncpg") if not _installed(name)]
+    if missing:
+        config.skipped = (
+            f"{', '.join(missing)} not installed: pip install -e '.[bench]' (the tickler rows ran)"
+        )
+    baselines = not missing
+
+    def sample(key: str, value: float) -> None:
+        table[key].samples.append(value)
+
+    latencies: dict[str, list[float]] = {"tickler": [], "pgq": [], "proc": []}
+    for round_no in range(config.rounds):
+        step = f"  round {round_no + 1}/{config.rounds}: postgres"
+        out(f"{step} drain, tickler")
+        rate = drain(bench_dsn, "tickler", config, config.drain)
+        sample("pg_tickler", rate)
+        sample("pg_tickler_proc", rate)
+        if baselines:
+            out(f"{step} drain, pgqueuer")
+            sample("pg_pgq", drain(bench_dsn, "pgqueuer", config, config.drain))
+            out(f"{step} drain, pgqueuer at its default batch size")
+            sample(
+                "pg_pgq_default",
+                drain(bench_dsn, "pgqueuer", config, config.counted_default, batch_size=10),
+            )
+            out(f"{step} drain, procrastinate")
+            sample("pg_proc", drain(bench_dsn, "procrastinate", config, config.counted))
+        out(f"{step} latency")
+        latencies["tickler"] += latency(bench_dsn, "tickler", config)
+        if baselines:
+            latencies["pgq"] += latency(bench_dsn, "pgqueuer", config)
+            latencies["proc"] += latency(bench_dsn, "procrastinate", config)
+        out(f"{step} enqueue")
+        for system, suffix in (("tickler", ""), ("pgqueuer", "_pgq"), ("procrastinate", "_proc")):
+            if system != "tickler" and not baselines:
+                continue
+            rates = enqueue_rates(bench_dsn, system, config)
+            sample(f"pg_submit{suffix}", rates["submit"])
+            sample(f"pg_each{suffix}", rates["each"])
+            sample(f"pg_batch{suffix}", rates["batch"])
+    for system, samples in latencies.items():
+        if samples:
+            sample(f"pg_p50_{system}", statistics.median(samples))
+            sample(f"pg_p99_{system}", _percentile(samples, 99))
+    drop_schemas(bench_dsn)
+    config.machine = (
+        f"PostgreSQL {server_version(bench_dsn)} at {dsn}, psycopg {_installed('psycopg')}"
+        + "".join(
+            f", {name} {_installed(name)}"
+            for name in ("pgqueuer", "asyncpg", "uvloop", "procrastinate")
+            if _installed(name)
+        )
+    )
+    return list(table.values())
+
+
+def notes(config: PgConfig) -> list[str]:
+    """The lines render() prints under the table about the PostgreSQL rows."""
+    if config.skipped and not config.machine:
+        return [f"PostgreSQL rows skipped: {config.skipped}."]
+    lines = [
+        f"PostgreSQL: drain {config.drain:,} no-op requests inserted first, concurrency"
+        f" {config.concurrency}, from the go to the last completion each store records;"
+        f" latency over {config.latency * config.rounds:,} requests, one at a time on an idle"
+        f" worker; medians of {config.rounds} round{'s' if config.rounds != 1 else ''}."
+        f" {config.machine}.",
+    ]
+    if config.skipped:
+        lines.append(f"PostgreSQL baselines skipped: {config.skipped}.")
+    return lines
