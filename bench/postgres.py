@@ -38,10 +38,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlencode
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ DATABASE = "tickler_bench"
 SCHEMAS = {"tickler": "tickler_bench", "pgqueuer": "pgqueuer", "procrastinate": "procrastinate"}
 WORKER = Path(__file__).with_name("pg_worker.py")
 QUEUE = "bench"
+# How each system's row keys end.
+SUFFIXES = {"tickler": "", "pgqueuer": "_pgq", "procrastinate": "_proc"}
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,6 +76,7 @@ class PgConfig:
     timeout: float = 600.0
     skipped: str = ""  # set by run(): why rows have no samples
     machine: str = ""  # set by run(): the server and the libraries measured
+    failures: list[str] = field(default_factory=list)  # set by run(): what failed, and why
 
 
 QUICK = PgConfig(
@@ -505,14 +510,22 @@ def _percentile(samples: list[float], p: int) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[p - 1]
 
 
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:400]
+
+
 def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
     """Every PostgreSQL row, measured; without samples (and config.skipped set) if it cannot be."""
     table = {row.key: row for row in rows(config)}
     dsn = os.environ.get(DSN_ENV, DEFAULT_DSN)
+    if not _installed("psycopg"):
+        config.skipped = "psycopg not installed: pip install -e '.[bench]'"
+        out(f"  postgres: skipped: {config.skipped}")
+        return list(table.values())
     try:
         bench_dsn = open_database(dsn)
     except Exception as exc:
-        config.skipped = f"no PostgreSQL at {dsn} ({type(exc).__name__}: {exc})".strip()
+        config.skipped = f"no PostgreSQL at {dsn} ({_one_line(exc)})"
         out(f"  postgres: skipped: {config.skipped}")
         return list(table.values())
     missing = [name for name in ("pgqueuer", "procrastinate", "asyncpg") if not _installed(name)]
@@ -520,45 +533,57 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
         config.skipped = (
             f"{', '.join(missing)} not installed: pip install -e '.[bench]' (the tickler rows ran)"
         )
-    baselines = not missing
+    systems = ["tickler"] if missing else ["tickler", "pgqueuer", "procrastinate"]
 
-    def sample(key: str, value: float) -> None:
-        table[key].samples.append(value)
+    def attempt(label: str, fn: Callable[[], T]) -> T | None:
+        """fn(); a failure is reported and returns None, and the run goes on."""
+        out(f"{step} {label}")
+        try:
+            return fn()
+        except Exception as exc:
+            config.failures.append(f"{label}: {_one_line(exc)}")
+            out(f"  postgres: {label} FAILED: {_one_line(exc)}")
+            return None
 
-    latencies: dict[str, list[float]] = {"tickler": [], "pgq": [], "proc": []}
+    def sample(keys: tuple[str, ...], value: float | None) -> None:
+        if value is not None:
+            for key in keys:
+                table[key].samples.append(value)
+
+    latencies: dict[str, list[float]] = {system: [] for system in systems}
     for round_no in range(config.rounds):
         step = f"  round {round_no + 1}/{config.rounds}: postgres"
-        out(f"{step} drain, tickler")
-        rate = drain(bench_dsn, "tickler", config, config.drain)
-        sample("pg_tickler", rate)
-        sample("pg_tickler_proc", rate)
-        if baselines:
-            out(f"{step} drain, pgqueuer")
-            sample("pg_pgq", drain(bench_dsn, "pgqueuer", config, config.drain))
-            out(f"{step} drain, pgqueuer at its default batch size")
-            sample(
-                "pg_pgq_default",
-                drain(bench_dsn, "pgqueuer", config, config.counted_default, batch_size=10),
+        rate = attempt("drain, tickler", partial(drain, bench_dsn, "tickler", config, config.drain))
+        sample(("pg_tickler", "pg_tickler_proc"), rate)
+        if len(systems) > 1:
+            rate = attempt(
+                "drain, pgqueuer", partial(drain, bench_dsn, "pgqueuer", config, config.drain)
             )
-            out(f"{step} drain, procrastinate")
-            sample("pg_proc", drain(bench_dsn, "procrastinate", config, config.counted))
-        out(f"{step} latency")
-        latencies["tickler"] += latency(bench_dsn, "tickler", config)
-        if baselines:
-            latencies["pgq"] += latency(bench_dsn, "pgqueuer", config)
-            latencies["proc"] += latency(bench_dsn, "procrastinate", config)
-        out(f"{step} enqueue")
-        for system, suffix in (("tickler", ""), ("pgqueuer", "_pgq"), ("procrastinate", "_proc")):
-            if system != "tickler" and not baselines:
-                continue
-            rates = enqueue_rates(bench_dsn, system, config)
-            sample(f"pg_submit{suffix}", rates["submit"])
-            sample(f"pg_each{suffix}", rates["each"])
-            sample(f"pg_batch{suffix}", rates["batch"])
+            sample(("pg_pgq",), rate)
+            rate = attempt(
+                "drain, pgqueuer at its default batch size",
+                partial(
+                    drain, bench_dsn, "pgqueuer", config, config.counted_default, batch_size=10
+                ),
+            )
+            sample(("pg_pgq_default",), rate)
+            rate = attempt(
+                "drain, procrastinate",
+                partial(drain, bench_dsn, "procrastinate", config, config.counted),
+            )
+            sample(("pg_proc",), rate)
+        for system in systems:
+            found = attempt(f"latency, {system}", partial(latency, bench_dsn, system, config))
+            latencies[system] += found or []
+        for system in systems:
+            rates = attempt(f"enqueue, {system}", partial(enqueue_rates, bench_dsn, system, config))
+            for kind, value in (rates or {}).items():
+                sample((f"pg_{kind}{SUFFIXES[system]}",), value)
     for system, samples in latencies.items():
-        if samples:
-            sample(f"pg_p50_{system}", statistics.median(samples))
-            sample(f"pg_p99_{system}", _percentile(samples, 99))
+        name = SUFFIXES[system] or "_tickler"
+        if len(samples) >= 2:
+            sample((f"pg_p50{name}",), statistics.median(samples))
+            sample((f"pg_p99{name}",), _percentile(samples, 99))
     drop_schemas(bench_dsn)
     config.machine = (
         f"PostgreSQL {server_version(bench_dsn)} at {dsn}, psycopg {_installed('psycopg')}"
@@ -584,4 +609,5 @@ def notes(config: PgConfig) -> list[str]:
     ]
     if config.skipped:
         lines.append(f"PostgreSQL baselines skipped: {config.skipped}.")
+    lines += [f"PostgreSQL measurement failed: {failure}." for failure in config.failures]
     return lines
