@@ -169,11 +169,11 @@ async def test_a_stop_hands_back_what_it_claimed_and_commits_what_it_accepted(
                 await trio.sleep(0.01)
         late = service.enqueue_request(99)  # accepted, not committed yet
         handed_back = await service.stop(drain=False)
-    assert len(handed_back) == 2
+    assert [(t.id, t.attempts) for t in handed_back] == [(1, 1), (2, 1)]
     assert all(t.status is tickler.Status.QUEUED for t in handed_back)
     assert late.id != 0
-    states = rows(store.path, "SELECT state, owner FROM tickler_requests")
-    assert states == [("queued", None)] * 6
+    states = rows(store.path, "SELECT state, owner, attempts FROM tickler_requests")
+    assert states == [("queued", None, 1)] * 2 + [("queued", None, 0)] * 4
 
 
 async def test_work_survives_the_service_and_runs_in_the_next(tmp_path: Path) -> None:
@@ -544,3 +544,84 @@ async def test_another_process_holding_the_write_lock_is_waited_for(tmp_path: Pa
             assert trio.current_time() >= release_at
         locker.close()
         assert await ticket.wait() == 42
+
+
+async def _claimed_ahead(
+    tmp_path: Path,
+) -> tuple[tickler.SqliteStore, tickler.Service[int, None], trio.Event]:
+    """A service whose only slot is held by request 1 while request 2 waits, claimed.
+
+    Request 0 ends at once: the batch that writes its outcome claims one
+    request more than the free slot, to wait in the queue.
+    """
+    gate = trio.Event()
+
+    async def handler(request: int) -> None:
+        if request:
+            await gate.wait()
+
+    store = store_at(tmp_path)
+    service = tickler.Service(handler, store=store, name="jobs", capacity=1)
+    return store, service, gate
+
+
+async def _until_claimed_ahead(service: tickler.Service[int, None]) -> None:
+    with trio.fail_after(10):
+        while (service.statistics().in_flight, service.statistics().queued) != (1, 1):
+            await trio.sleep(0.01)
+
+
+async def test_a_request_claimed_ahead_goes_back_at_a_stop_without_an_attempt(
+    tmp_path: Path,
+) -> None:
+    store, service, _ = await _claimed_ahead(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        for i in range(4):
+            service.enqueue_request(i)  # one batch inserts all four
+        await _until_claimed_ahead(service)
+        assert rows(store.path, "SELECT state FROM tickler_requests WHERE id = 3") == [("running",)]
+        handed_back = await service.stop(drain=False)
+    assert [(t.id, t.attempts) for t in handed_back] == [(2, 1), (3, 0)]
+    assert rows(
+        store.path, "SELECT id, state, attempts, started_at IS NULL FROM tickler_requests"
+    ) == [
+        (1, "succeeded", 1, 0),
+        (2, "queued", 1, 0),
+        (3, "queued", 0, 1),
+        (4, "queued", 0, 1),
+    ]
+
+
+async def test_a_request_claimed_ahead_and_cancelled_here_never_starts(tmp_path: Path) -> None:
+    store, service, gate = await _claimed_ahead(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        tickets = [service.enqueue_request(i) for i in range(3)]
+        await _until_claimed_ahead(service)
+        assert await service.cancel(tickets[2].id)
+        assert service.statistics().queued == 0
+        gate.set()
+        with pytest.raises(tickler.RequestCancelled):
+            await tickets[2].wait()
+        await service.stop()
+    assert tickets[2].attempts == 0
+    assert rows(store.path) == [(1, "succeeded", 1), (2, "succeeded", 1), (3, "cancelled", 0)]
+
+
+async def test_a_request_claimed_ahead_and_cancelled_elsewhere_never_starts(
+    tmp_path: Path,
+) -> None:
+    store, service, gate = await _claimed_ahead(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        tickets = [service.enqueue_request(i) for i in range(3)]
+        await _until_claimed_ahead(service)
+        async with tickler.open_service(double, store=store, name="jobs") as other:
+            assert await other.cancel(tickets[2].id)
+        # The holder sees the cancel at its next look, before any slot frees.
+        with pytest.raises(tickler.RequestCancelled):
+            await tickets[2].wait()
+        gate.set()
+        await service.stop()
+    assert rows(store.path) == [(1, "succeeded", 1), (2, "succeeded", 1), (3, "cancelled", 0)]

@@ -31,6 +31,8 @@ class JsonCodec:
     __slots__ = ()
 
     def encode(self, obj: Any) -> bytes:
+        if obj is None:  # what most handlers return
+            return b"null"
         try:
             return _ENCODE(obj).encode()
         except (TypeError, ValueError) as exc:

@@ -136,7 +136,12 @@ class _Loop(_Processors[RequestT, ResultT]):
         queue = self._queue
         try:
             while True:
-                free = self._capacity - self._in_flight - len(queue)
+                # Claim for every free slot, and as many more as attempts ended
+                # since the last batch (at most a capacity's worth): processors
+                # take those while the next batch commits. Slots that do not
+                # free up (long handlers) make it claim nothing ahead.
+                ahead = min(len(stored.outcomes), self._capacity)
+                free = self._capacity + ahead - self._in_flight - len(queue)
                 claim = free if self._may_start and not self._stop_called and free > 0 else 0
                 batch, pending, outcomes = stored.build(self._lock, claim, wall_clock())
                 looked = False
@@ -230,7 +235,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             request_id = ticket.id
             stored.local.discard(request_id)
             if state is None:
-                if kind != "handed_back" and not ticket.done:
+                if kind != "handed_back" and kind != "returned" and not ticket.done:
                     # The lease had gone: another process runs the request.
                     stored.tickets.pop(request_id, None)
                     stored.watched.setdefault(request_id, []).append(ticket)
@@ -290,7 +295,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             ticket = known
             if not self._may_start:
                 # Claimed by a batch that was under way when a stop began.
-                self._record("handed_back", ticket, (wall_clock(),))
+                self._record("returned", ticket, (wall_clock(),))
                 continue
             with self._lock:
                 queue_length = len(self._queue)
@@ -341,13 +346,22 @@ class _Loop(_Processors[RequestT, ResultT]):
                 stored.local.discard(ticket.id)
                 stored.watched.setdefault(ticket.id, []).append(ticket)
             elif mine[ticket.id]:
-                self._record("cancelled", ticket, (wall_clock(),))
+                self._drop_claimed(stored, ticket)
         # Rows the store says this process holds, though it never learned it
         # claimed them: a claim committed whose reply was lost with the
         # connection. Renewals would keep them for ever: give them back.
         for request_id in mine.keys() - stored.local:
             orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, 0, None, None, _EMPTY)
-            stored.outcomes.append(("handed_back", orphan, (wall_clock(),), None))
+            stored.outcomes.append(("returned", orphan, (wall_clock(),), None))
+
+    def _drop_claimed(self, stored: StoreRun, ticket: Ticket[Any, Any]) -> None:
+        """A request claimed here, whose cancel was asked for before it started.
+
+        Returned, it ends CANCELLED in the store (its cancel was asked for)
+        with the claim's attempt undone: it never ran.
+        """
+        stored.outcomes.append(("returned", ticket, (wall_clock(),), None))
+        self._tickle()
 
     async def _try_batch(
         self,
@@ -595,6 +609,13 @@ class _Loop(_Processors[RequestT, ResultT]):
             assert request_id is not None
             # Running here: no need to wait for the next look at the store.
             stored.withdraw(request_id, "cancelled")
+            # Claimed here but not started: it never starts.
+            with self._lock:
+                claimed = [ticket for ticket in self._queue if ticket.id == request_id]
+                for ticket in claimed:
+                    self._queue.remove(ticket)
+            for ticket in claimed:
+                self._drop_claimed(stored, ticket)
             stored.next_check = 0.0
             self._tickle()
         return found

@@ -460,7 +460,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         run = self._store_run
         assert run is not None
         run.outcomes.append((kind, ticket, values, local))
-        if kind == "handed_back":
+        if kind == "handed_back" or kind == "returned":
             self._stopped_tickets.append(ticket)
         self._tickle()
 
@@ -552,7 +552,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
     def _cancel(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
         if self._store_run is not None:
             # Claimed but not started: back to the store, to run later.
-            self._record("handed_back", ticket, (wall_clock(),))
+            self._record("returned", ticket, (wall_clock(),))
             return
         self._finish(ticket, _CANCELLED, (now, None))
         self._cancelled += 1

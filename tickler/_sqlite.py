@@ -144,6 +144,13 @@ _SETS = {
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
         " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2"
     ),
+    # Claimed but never started: handed back, and the claim's attempt undone.
+    "returned": (
+        "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
+        " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2,"
+        " attempts = attempts - 1,"
+        " started_at = CASE WHEN attempts = 1 THEN NULL ELSE started_at END"
+    ),
 }
 _ROWS_PER_STATEMENT = 150
 
@@ -458,7 +465,8 @@ class Connection:
         Outcomes are ``("succeeded", id, (result, finished_at))``,
         ``("retrying", id, (run_at, type, message, traceback))``,
         ``("failed", id, (finished_at, type, message, traceback))``,
-        ``("cancelled", id, (finished_at,))`` and ``("handed_back", id, (run_at,))``;
+        ``("cancelled", id, (finished_at,))``, ``("handed_back", id, (run_at,))`` and
+        ``("returned", id, (run_at,))`` (claimed, never started);
         each applies only while ``owner`` still holds the request's lease.
         """
         x = self._x
