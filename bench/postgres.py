@@ -1,30 +1,42 @@
 """tickler's PostgresStore next to pgqueuer and procrastinate, on one server, in one run.
 
-Every system runs its own worker in a process of its own (bench/pg_worker.py,
-started with ``sys.executable``), against the same server, in a database of
-the benchmark's own (``tickler_bench``, created if missing), each in its own
-schema, emptied and installed again (with the system's own schema install)
-before every measurement.
+    python -m bench --postgres-only    # these rows alone
+
+Each system runs in processes of its own (bench/pg_worker.py, started with
+``sys.executable``) against the same server, in the benchmark's own database
+(``tickler_bench``, created if missing), each in a schema of its own
+(tickler_bench, pgqueuer, procrastinate), dropped and installed again with
+the system's own schema install before every measurement. Nothing touches
+another database. The DSN comes from TICKLER_BENCH_POSTGRES; without a
+server there, every row here is skipped and says why.
 
 - **Drain**: ``drain`` no-op requests are inserted first, the server is
-  ANALYZEd and CHECKPOINTed, then the worker starts (concurrency 100). The
-  time runs from the server's clock just before the parent tells the worker
-  to go, to the completion time each store records for the request that
-  completed last (tickler's ``finished_at``, pgqueuer's log row ``created``,
-  procrastinate's ``succeeded`` event ``at``: each the time of the
-  transaction that made it final). The parent polls the store every half
-  second until they are all final, and the poll does not bound the time.
-  Where a baseline is too slow to drain every request within the time the
-  benchmark allows, the same holds for its first ``counted`` completions out
-  of the ``drain`` inserted, and its row says so.
+  ANALYZEd and CHECKPOINTed, then one worker process starts (concurrency
+  100). The time runs from the server's clock just before the parent tells
+  the worker to go, to the completion time each store records for the
+  request that completed last: tickler's ``finished_at``, pgqueuer's log row
+  ``created``, procrastinate's ``succeeded`` event ``at``, each the time of
+  the transaction that made the request final. The parent polls the store
+  every ``poll`` seconds until enough are final, so the poll does not bound
+  the time. A baseline too slow to drain them all within the time this part
+  may take is timed to its first ``counted`` completions, with the same
+  number queued, and its row says so.
 - **Latency**: an idle worker runs; the parent enqueues one request at a
-  time, stamped with ``time.time_ns()`` just before the enqueue call, through
-  each system's way across processes (tickler: ``store.enqueue_in`` in a
-  transaction of the parent's own connection, then COMMIT, which NOTIFYs;
-  pgqueuer: ``Queries.enqueue``, whose trigger NOTIFYs; procrastinate:
-  ``defer_async``). The handler reports its start minus the stamp; the parent
-  waits ``gap`` seconds between requests, so each finds the worker idle.
-- **Enqueue**: see pg_worker's enqueue mode.
+  time, stamped with ``time.time_ns()`` just before the enqueue call, by each
+  system's way from another process (tickler: ``store.enqueue_in`` in a
+  transaction on the parent's own connection, then COMMIT, which delivers
+  its NOTIFY; pgqueuer: ``Queries.enqueue``, whose trigger NOTIFYs;
+  procrastinate: ``defer_async``, likewise). The handler reports its start
+  minus the stamp; ``gap`` seconds between requests let each find the
+  worker idle. p50 and p99 are taken over every round's requests.
+- **Enqueue**: requests a second through each system's enqueue calls, with
+  no worker running (tickler's service holds its one slot, so its batches
+  only write): ``submits`` concurrent calls (tickler ``submit``, each
+  returning once its request is committed, which group-commits them;
+  pgqueuer over an asyncpg pool of 10; procrastinate over its pool of 4),
+  ``each`` calls one after another, each its own committed transaction, and
+  ``batch`` requests in one transaction (tickler: ``enqueue_in`` called
+  ``batch`` times; the baselines: their one-statement batch calls).
 """
 
 from __future__ import annotations
@@ -63,14 +75,17 @@ T = TypeVar("T")
 class PgConfig:
     drain: int = 100_000
     concurrency: int = 100
-    counted: int = 10_000  # completions timed for the slowest baseline (procrastinate)
-    counted_default: int = 20_000  # and for pgqueuer at its default batch size
+    # The baselines too slow to drain all of it within the few minutes this
+    # part may take are timed to their first `counted` completions, with the
+    # same `drain` requests queued.
+    counted: int = 5_000  # procrastinate
+    counted_default: int = 20_000  # pgqueuer at its default batch size
     latency: int = 200
     gap: float = 0.05
     settle: float = 1.0
-    submits: int = 10_000
-    each: int = 1_000
-    batch: int = 10_000
+    submits: int = 2_000
+    each: int = 500
+    batch: int = 5_000
     rounds: int = 1
     poll: float = 0.5
     timeout: float = 600.0
@@ -81,8 +96,8 @@ class PgConfig:
 
 QUICK = PgConfig(
     drain=500,
-    counted=500,
-    counted_default=500,
+    counted=100,
+    counted_default=200,
     latency=10,
     gap=0.02,
     settle=0.5,
