@@ -152,7 +152,7 @@ def make_app(
             # wait may give up (a replica that died holds a step until its
             # lease expires).
             with trio.move_on_after(settings.abort_timeout):
-                await abort_creation(service, site_id)
+                await abort_creation(service, site_id, log=log)
                 log.write("aborted", site_id, "request")
         return JSONResponse(
             await describe(status), status_code=202, headers={"Location": f"/sites/{site_id}"}

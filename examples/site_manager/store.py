@@ -307,12 +307,13 @@ class Sites:
         """Set `deleting` and enqueue the delete step, in one transaction."""
 
         def mark(tx: Transaction) -> dict[str, Any] | None:
-            tx.rows(
-                "UPDATE sites SET state = 'deleting' WHERE id = ?"
-                " AND state IN ('creating', 'running')",
+            # An UPDATE whatever the state: it holds the row until we commit,
+            # so the delete step cannot mark it deleted (and end) in between.
+            rows = tx.rows(
+                "UPDATE sites SET state = CASE WHEN state IN ('creating', 'running')"
+                " THEN 'deleting' ELSE state END WHERE id = ? RETURNING *",
                 (site_id,),
             )
-            rows = tx.rows("SELECT * FROM sites WHERE id = ?", (site_id,))
             if not rows:
                 return None
             if rows[0]["state"] == "deleting":

@@ -81,8 +81,9 @@ class StepLog:
 
     ``<monotonic ns> <pid> <event> <site id> <step>``: ``start`` when an
     attempt begins, then ``ok``, ``error`` or ``cancelled`` when it ends;
-    ``aborted`` once a delete's cancels have returned and no creation step of
-    the site is live (``<step>`` says who waited: ``request`` or ``delete``).
+    ``cancel`` when a delete is about to cancel the step; ``aborted`` once a
+    delete's cancels have returned and no creation step of the site is live
+    (``<step>`` says who waited: ``request`` or ``delete``).
     The monotonic clock is the machine's, so replicas on one host compare.
     """
 
@@ -116,7 +117,11 @@ def enqueue_steps(service: tickler.Service[str, None], steps: Iterable[Step]) ->
 
 
 async def abort_creation(
-    service: tickler.Service[str, None], site_id: int, *, poll: float = 0.02
+    service: tickler.Service[str, None],
+    site_id: int,
+    *,
+    poll: float = 0.02,
+    log: StepLog | None = None,
 ) -> None:
     """Cancel the site's live creation steps, wherever they run; return once none is live.
 
@@ -133,6 +138,8 @@ async def abort_creation(
         cancelled = []
         for name in CREATION_STEPS:
             key = Step(site_id, name).key
+            if log is not None:
+                log.write("cancel", site_id, name)
             if await service.cancel(key):
                 cancelled.append(key)
         if not cancelled:
@@ -219,7 +226,7 @@ class Workflow:
         if status["state"] != "deleting":
             return
         site_id = status["id"]
-        await abort_creation(tickler.current_service(), site_id)
+        await abort_creation(tickler.current_service(), site_id, log=self.log)
         self.log.write("aborted", site_id, "delete")
         await self.backend.call()
 
