@@ -41,7 +41,7 @@ def check_killed_run(log: Path, at_kill: dict[int, str], final: dict[int, str], 
 def check_shared_run(log: Path, final: dict[int, str], workers: int) -> None:
     """10,000 requests ran once each, 100 keys made 100 rows, one cancel crossed processes."""
     lines = log_lines(log)
-    starts = collections.Counter(" ".join(line[2:]) for line in lines if line[1] == "start")
+    starts = collections.Counter(" ".join(line[2:4]) for line in lines if line[1] == "start")
     assert all(count == 1 for count in starts.values()), starts.most_common(3)
     # 10,000 plain requests, the blocker, and one row per key however many enqueued it.
     assert len(final) == 10_000 + 1 + 100
@@ -54,3 +54,55 @@ def check_shared_run(log: Path, final: dict[int, str], workers: int) -> None:
     assert cancelled_by
     assert not cancelled_by & ran_blocker
     assert len({line[0] for line in lines if line[1] == "start"}) == workers  # all took part
+
+
+def owner_of(log: Path, pid: int) -> str:
+    """The owner a worker logged once it ran: the store's name for its leases."""
+    owners = [line[2] for line in log_lines(log) if line[1] == "owner" and int(line[0]) == pid]
+    assert len(owners) == 1, f"worker {pid} logged no owner: it never ran"
+    return owners[0]
+
+
+def check_chaos_run(
+    log: Path,
+    held_at_kill: dict[int, set[int]],
+    final: dict[int, tuple[str | None, str]],
+    requests: int,
+    keys: int,
+) -> int:
+    """Every request succeeded; only attempts a kill cut short ran again; keys made one row each.
+
+    ``held_at_kill`` gives, for each killed worker, the requests it held
+    running in the store just after it died; ``final`` each row's key and
+    state. Returns how many attempts ran again.
+    """
+    lines = log_lines(log)
+    assert collections.Counter(state for _, state in final.values()) == {
+        "succeeded": requests + keys
+    }
+    starts: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # id: (pid, attempt)
+    for line in lines:
+        if line[1] == "start":
+            starts[int(line[2])].append((int(line[0]), int(line[4])))
+    ends = {int(line[2]) for line in lines if line[1] == "end"}
+    assert set(starts) == set(final), "every row started, and every start is a row"
+    assert ends == set(final), "every request ran to its end"
+    repeats = 0
+    for request_id, attempts in starts.items():
+        numbers = [number for _, number in attempts]
+        assert numbers == sorted(set(numbers)), (request_id, attempts)  # in order, none twice
+        for pid, number in attempts[:-1]:
+            # Started again: this attempt's worker was killed while it held it.
+            assert request_id in held_at_kill.get(pid, ()), (request_id, pid, number, attempts)
+            repeats += 1
+    # Keys: however many workers (and restarts) enqueued a key, one row, one id.
+    keyed: dict[str, set[int]] = collections.defaultdict(set)
+    for line in lines:
+        if line[1] == "keyed":
+            keyed[line[3]].add(int(line[2]))
+    rows_by_key = {key: i for i, (key, _) in final.items() if key is not None}
+    assert len(rows_by_key) == sum(1 for key, _ in final.values() if key is not None) == keys
+    assert len(keyed) == keys
+    for request, ids in keyed.items():
+        assert ids == {rows_by_key[f'"{request}"']}, (request, ids)
+    return repeats

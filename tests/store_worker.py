@@ -1,66 +1,99 @@
 """A worker process for the store's crash and many-process tests.
 
     python -m tests.store_worker DB LOG [--capacity N] [--sleep S] [--lease L]
-        [--keys K] [--cancel-blocker] [--schema S]
+        [--poll-interval P] [--keys K] [--keys-due T] [--cancel-blocker] [--schema S]
 
 DB is a SQLite file, or a postgresql:// DSN (then --schema names the schema).
 
-It runs the queue "jobs" until nothing of it is live, writing a line to LOG
-(fsync'd) when each attempt starts and ends. With --keys it first enqueues
-requests "key-0".."key-{K-1}", each keyed by itself and delayed 1 s. A
-request "blocker" sleeps until cancelled; with --cancel-blocker the worker
-cancels it once it sees it running in another process.
+It runs the queue "jobs" until nothing of it is live, appending lines to LOG,
+which every worker shares. Each line is ``PID KIND ...`` and reaches the
+file with one write before the worker goes on, so a SIGKILL loses none:
+
+- ``owner OWNER``: the store's name for this worker's leases, once it runs;
+- ``start ID REQUEST ATTEMPT`` and ``end ID REQUEST``: an attempt;
+- ``keyed ID REQUEST``: with --keys, it first enqueues requests
+  "key-0".."key-{K-1}", each keyed by itself and delayed 1 s (or until the
+  epoch time --keys-due), and logs the id each got once committed;
+- ``store_errors N``: its statistics' count of failed batches, when it grows;
+- ``cancel ID blocker`` and ``cancelled ID blocker``: a request "blocker"
+  sleeps until cancelled; with --cancel-blocker the worker cancels it once it
+  sees it running in another process.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
 import tickler
 
 
-def log(path: Path, line: str) -> None:
-    with path.open("a") as file:
-        file.write(f"{os.getpid()} {line}\n")
-        file.flush()
-        os.fsync(file.fileno())
+class Log:
+    """The shared log, opened for appending: one write() per line, flushed at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a", buffering=1)  # line-buffered: each line is written whole
+
+    def __call__(self, *fields: Any) -> None:
+        self.file.write(" ".join(map(str, (os.getpid(), *fields))) + "\n")
+
+
+async def report_store_errors(service: tickler.Service[Any, Any], log: Log) -> None:
+    reported = 0
+    while True:
+        errors = service.statistics().store_errors
+        if errors > reported:
+            log("store_errors", errors)
+            reported = errors
+        await trio.sleep(0.05)
 
 
 async def main(args: argparse.Namespace) -> None:
-    log_path = Path(args.log)
+    log = Log(Path(args.log))
     running_blocker = False
 
     async def handler(request: str) -> str:
         nonlocal running_blocker
         ticket = tickler.current_ticket()
-        log(log_path, f"start {ticket.id} {request}")
+        log("start", ticket.id, request, ticket.attempts)
         if request == "blocker":
             running_blocker = True
             try:
                 await trio.sleep_forever()
             except trio.Cancelled:
-                log(log_path, f"cancelled {ticket.id} {request}")
+                log("cancelled", ticket.id, request)
                 raise
         await trio.sleep(args.sleep)
-        log(log_path, f"end {ticket.id} {request}")
+        log("end", ticket.id, request)
         return request
 
     store: tickler.SqliteStore | tickler.PostgresStore
+    options = {"lease": args.lease, "poll_interval": args.poll_interval}
     if args.db.startswith("postgresql://"):
-        store = tickler.PostgresStore(
-            args.db, schema=args.schema, lease=args.lease, poll_interval=0.05
-        )
+        store = tickler.PostgresStore(args.db, schema=args.schema, **options)
     else:
-        store = tickler.SqliteStore(args.db, lease=args.lease, poll_interval=0.05)
-    async with tickler.open_service(
-        handler, store=store, name="jobs", capacity=args.capacity
-    ) as service:
-        for k in range(args.keys):
-            service.enqueue_request(f"key-{k}", key=f"key-{k}", delay=1.0)
+        store = tickler.SqliteStore(args.db, **options)
+    async with (
+        tickler.open_service(handler, store=store, name="jobs", capacity=args.capacity) as service,
+        trio.open_nursery() as nursery,
+    ):
+        assert service._store_run is not None
+        log("owner", service._store_run.owner)
+        nursery.start_soon(report_store_errors, service, log)
+        delay = 1.0 if args.keys_due is None else max(0.0, args.keys_due - time.time())
+        keyed = [
+            service.enqueue_request(f"key-{k}", key=f"key-{k}", delay=delay)
+            for k in range(args.keys)
+        ]
+        while any(ticket.id == 0 for ticket in keyed):  # until committed
+            await trio.sleep(0.01)
+        for ticket in keyed:
+            log("keyed", ticket.id, ticket.request)
         if args.cancel_blocker:
             with trio.move_on_after(30):
                 while True:
@@ -71,12 +104,13 @@ async def main(args: argparse.Namespace) -> None:
                         and not running_blocker
                     ):
                         if await service.cancel("blocker"):
-                            log(log_path, f"cancel {found.id} blocker")
+                            log("cancel", found.id, "blocker")
                         break
                     if found is not None and found.done:
                         break
                     await trio.sleep(0.02)
         await service.join()
+        nursery.cancel_scope.cancel()
 
 
 if __name__ == "__main__":
@@ -86,7 +120,9 @@ if __name__ == "__main__":
     parser.add_argument("--capacity", type=int, default=10)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--lease", type=float, default=30.0)
+    parser.add_argument("--poll-interval", type=float, default=0.05)
     parser.add_argument("--keys", type=int, default=0)
+    parser.add_argument("--keys-due", type=float, default=None, help="epoch time")
     parser.add_argument("--cancel-blocker", action="store_true")
     parser.add_argument("--schema", default="tickler", help="with a postgresql:// DB")
     trio.run(main, parser.parse_args())
