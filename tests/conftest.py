@@ -126,9 +126,9 @@ def _find_pg_ctl() -> str | None:
 class Cluster:
     """A PostgreSQL cluster of the tests' own, started by pytest-postgresql's executor.
 
-    Its data, socket and log live in one temporary directory. As root, the
+    Its data, socket and log live in a temporary directory. As root, the
     binaries run as the ``postgres`` user (PostgreSQL refuses root), through
-    a small pg_ctl wrapper handed to the executor.
+    a small pg_ctl wrapper handed to the executor, kept out of that user's reach.
     """
 
     def __init__(self, pg_ctl: str) -> None:
@@ -141,13 +141,16 @@ class Cluster:
         from pytest_postgresql.executors import PostgreSQLExecutor
 
         self.directory = Path(tempfile.mkdtemp(prefix="tickler-postgres-"))
+        cluster = self.directory / "cluster"
+        cluster.mkdir(mode=0o700)
         if os.geteuid() == 0:
             try:
                 user = pwd.getpwnam("postgres")
             except KeyError:
                 self.remove()
                 _without_postgres("running as root, with no 'postgres' user to run pg_ctl as")
-            os.chown(self.directory, user.pw_uid, user.pw_gid)
+            self.directory.chmod(0o755)
+            os.chown(cluster, user.pw_uid, user.pw_gid)
             wrapper = self.directory / "pg_ctl"
             wrapper.write_text(
                 "#!/bin/sh\ncd /\nexec setpriv --reuid=postgres --regid=postgres --init-groups"
@@ -162,9 +165,9 @@ class Cluster:
             executable=pg_ctl,
             host="127.0.0.1",
             port=port,
-            datadir=str(self.directory / "data"),
-            unixsocketdir=str(self.directory),
-            logfile=str(self.directory / "server.log"),
+            datadir=str(cluster / "data"),
+            unixsocketdir=str(cluster),
+            logfile=str(cluster / "server.log"),
             startparams="-w",
             dbname="postgres",
             user="postgres",
