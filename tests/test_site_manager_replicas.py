@@ -87,7 +87,9 @@ class Fleet:
         return replica
 
     async def kill(self, replica: Replica) -> None:
-        self.serving.remove(replica)
+        """SIGKILL, and wait until it is gone."""
+        if replica in self.serving:
+            self.serving.remove(replica)
         replica.process.kill()
         await replica.process.wait()
 
@@ -296,7 +298,6 @@ async def test_three_replicas_share_the_sites(
                     while in_flight[victim.url]:  # and none left hanging
                         await trio.sleep(0.005)
                 await tail.wait_for(lambda: bool(tail.running.get(victim.pid)))
-                fleet.serving.append(victim)
                 await fleet.kill(victim)
                 killed_at, killed_pid = time.monotonic_ns(), victim.pid
                 await trio.sleep(0.5)
