@@ -128,14 +128,16 @@ async def _checkpoint_handler(request: object) -> None:
 
 
 async def burst_tickler(
-    n: int, concurrency: int, context_per_request: bool = False
+    n: int, concurrency: int, context_per_request: bool = False, histograms: bool = True
 ) -> tuple[float, float]:
     """Seconds for the burst, and wake-ups per request.
 
     With context_per_request, each request is enqueued from a context of its
     own (see in_own_context), so each carries a distinct Context.
     """
-    service = tickler.Service(_checkpoint_handler, capacity=concurrency, max_queue_length=None)
+    service = tickler.Service(
+        _checkpoint_handler, capacity=concurrency, max_queue_length=None, histograms=histograms
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         enqueue = service.enqueue_request
@@ -489,6 +491,19 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             "vs_aiojobs", "burst", "tickler", [], "req/s", "aiojobs", ("ratio", ">=", 10.0)
         ),
         "wakeups": Row("wakeups", "burst", "tickler wake-ups per request", [], "wakeups/req"),
+        # The wait and run time histograms' cost: the same burst without them.
+        "histograms": Row(
+            "histograms",
+            "burst",
+            "tickler, wait and run time histograms (the default)",
+            [],
+            "req/s",
+            "no_histograms",
+            ("ratio", ">=", 0.95),
+        ),
+        "no_histograms": Row(
+            "no_histograms", "burst", "tickler, histograms=False", [], "req/s", "pool"
+        ),
         "sqlite": Row(
             "sqlite",
             "burst",
@@ -565,7 +580,10 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         sample("tickler", n / elapsed)
         sample("vs_aiojobs", n / elapsed)
         sample("wakeups", wakeups)
+        sample("histograms", n / elapsed)
         sample("pool", n / in_context(False, trio.run, burst_pool, n, c))
+        bare_elapsed = in_context(False, trio.run, burst_tickler, n, c, False, False)[0]
+        sample("no_histograms", n / bare_elapsed)
         sample("tickler_var", n / in_context(True, trio.run, burst_tickler, n, c)[0])
         sample("pool_var", n / in_context(True, trio.run, burst_pool, n, c))
         elapsed = in_context(False, trio.run, burst_tickler, n, c, True)[0]

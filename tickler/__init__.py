@@ -16,13 +16,17 @@ from ._retry import Retry as Retry
 from ._service import Service as Service
 from ._service import open_service as open_service
 from ._sqlite import SqliteStore as SqliteStore
+from ._statistics import TIME_BUCKETS as TIME_BUCKETS
+from ._statistics import Histogram as Histogram
 from ._statistics import ServiceStatistics as ServiceStatistics
 from ._store_loop import RequestFailed as RequestFailed
 from ._ticket import Status as Status
 from ._ticket import Ticket as Ticket
 
 __all__ = [
+    "TIME_BUCKETS",
     "Codec",
+    "Histogram",
     "JsonCodec",
     "PostgresStore",
     "QueueFull",

@@ -112,6 +112,7 @@ class _ServiceCore(Generic[RequestT, ResultT]):
         "_handler",
         "_heap",
         "_heap_seq",
+        "_histograms",
         "_idle",
         "_idle_event",
         "_in_flight",
@@ -135,6 +136,8 @@ class _ServiceCore(Generic[RequestT, ResultT]):
         "_retry",
         "_retrying",
         "_room",
+        "_run_counts",
+        "_run_sum",
         "_scheduled",
         "_signal_rx",
         "_signal_tx",
@@ -149,6 +152,8 @@ class _ServiceCore(Generic[RequestT, ResultT]):
         "_timeout",
         "_timer",
         "_token",
+        "_wait_counts",
+        "_wait_sum",
         "_wakeup_pending",
         "_wakeups",
         "max_queue_length",
@@ -194,6 +199,12 @@ class _ServiceCore(Generic[RequestT, ResultT]):
     _peak: int
     _in_flight: int
     _retrying: int
+    # the wait and run time histograms: kept or not, counts (see TIME_BUCKETS), sums
+    _histograms: bool
+    _wait_counts: list[int]
+    _wait_sum: float
+    _run_counts: list[int]
+    _run_sum: float
     # stopping and joining
     _finished: trio.Event
     _stop_called: bool

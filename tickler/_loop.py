@@ -217,6 +217,8 @@ class _Loop(_Processors[RequestT, ResultT]):
     ) -> None:
         """A batch committed: give ids, finish tickets, take what was claimed."""
         now = self._time()
+        assert now is not None
+        to_trio = now - wall_clock()
         for entry, (request_id, new) in zip(pending, result.inserted, strict=True):
             ticket = entry[0]
             ticket.id = request_id
@@ -285,8 +287,11 @@ class _Loop(_Processors[RequestT, ResultT]):
                     why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
                     self._record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
                     continue
+                # Enqueued in the store's time, by another process: on Trio's clock,
+                # no later than now (for the wait time histogram).
+                enqueued_at = min(now, claimed.enqueued_at + to_trio)
                 known = Ticket(
-                    request, claimed.id, _QUEUED, claimed.attempts - 1, now, None, _EMPTY
+                    request, claimed.id, _QUEUED, claimed.attempts - 1, enqueued_at, None, _EMPTY
                 )
                 stored.tickets[claimed.id] = known
             else:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextvars
 import heapq
 import inspect
+import itertools
 import logging
 import math
 import sys
 import types
+from bisect import bisect_left as _bucket
 from collections.abc import Generator
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, cast
@@ -30,6 +32,7 @@ from ._core import (
     logger,
 )
 from ._queue import _QueueSide
+from ._statistics import TIME_BUCKETS
 from ._store_loop import Withdrawn, wall_clock
 from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
@@ -138,6 +141,14 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         lock = self._lock
         task = trio.lowlevel.current_task()
         stored = self._store_run  # None for the in-memory engine
+        # The histograms' counts, and for each the bucket of the last duration
+        # counted with its edges: durations come in runs that share a bucket,
+        # and two comparisons cost less than a search.
+        timed = self._histograms
+        wait_counts = self._wait_counts
+        run_counts = self._run_counts
+        wait_bucket = run_bucket = 0
+        wait_low = wait_high = run_low = run_high = math.nan
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
         attempt = _ATTEMPTS[task] = _Attempt(self)
@@ -186,6 +197,13 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                         # Read afresh: a hook or another thread may have enqueued
                         # this request after the last reading.
                         ticket.started_at = now = offset + timer()
+                        if timed and ticket.attempts == 1:
+                            waited = now - ticket.enqueued_at  # type: ignore[operator]
+                            if not wait_low < waited <= wait_high:
+                                wait_bucket = _bucket(TIME_BUCKETS, waited)
+                                wait_low, wait_high = _EDGES[wait_bucket]
+                            wait_counts[wait_bucket] += 1
+                            self._wait_sum += waited
                         self._started += 1
                         if self._debug:
                             _run_in(
@@ -233,6 +251,13 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                         else:
                             now = offset + timer()
                             self._in_flight -= 1
+                            if timed:
+                                ran = now - ticket.started_at
+                                if not run_low < ran <= run_high:
+                                    run_bucket = _bucket(TIME_BUCKETS, ran)
+                                    run_low, run_high = _EDGES[run_bucket]
+                                run_counts[run_bucket] += 1
+                                self._run_sum += ran
                             if stored is None:
                                 self._succeeded += 1
                                 if self._key_of:
@@ -367,6 +392,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         context: contextvars.Context,
     ) -> None:
         self._in_flight -= 1
+        self._ran(ticket, now)
         # Drop the processor's own frame from the traceback: it refers to the
         # ticket, and the ticket will refer to the exception.
         tb = exc.__traceback__
@@ -522,6 +548,8 @@ class _Processors(_QueueSide[RequestT, ResultT]):
     def _abort(self, ticket: Ticket[RequestT, ResultT], exc: BaseException) -> None:
         self._in_flight -= 1
         now = self._time()
+        if now is not None:
+            self._ran(ticket, now)
         if self._store_run is not None:
             # With a store a stop never ends a request: it goes back to the store.
             if not _is_cancellation(exc):
@@ -534,6 +562,14 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             # A KeyboardInterrupt or the like ends the run: start nothing more.
             self._may_start = self._draining = False
             self._fail(ticket, exc, exc.__traceback__, now)
+
+    def _ran(self, ticket: Ticket[RequestT, ResultT], now: float) -> None:
+        """Count the run time of ``ticket``'s attempt, which ended at ``now``."""
+        if not self._histograms:
+            return
+        ran = now - ticket.started_at  # type: ignore[operator]
+        self._run_counts[_bucket(TIME_BUCKETS, ran)] += 1
+        self._run_sum += ran
 
     @trio.lowlevel.enable_ki_protection
     def _fail(
@@ -557,6 +593,10 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         self._finish(ticket, _CANCELLED, (now, None))
         self._cancelled += 1
         self._stopped_tickets.append(ticket)
+
+
+# The edges of each bucket of TIME_BUCKETS: (low, high], the last one open.
+_EDGES = tuple(itertools.pairwise((-math.inf, *TIME_BUCKETS, math.inf)))
 
 
 class _Attempt:

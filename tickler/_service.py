@@ -30,7 +30,7 @@ from ._postgres import PostgresStore
 from ._processors import _Parked
 from ._retry import Retry
 from ._sqlite import SqliteStore
-from ._statistics import ServiceStatistics
+from ._statistics import TIME_BUCKETS, Histogram, ServiceStatistics
 from ._store_loop import StoreRun
 from ._ticket import RequestT, ResultT, Ticket
 
@@ -96,6 +96,7 @@ class Service(_Loop[RequestT, ResultT]):
         name: str = "tickler",
         store: SqliteStore | PostgresStore | None = None,
         codec: Codec | None = None,
+        histograms: bool = True,
     ) -> None:
         if not callable(handler):
             raise TypeError("handler must be callable")
@@ -114,6 +115,8 @@ class Service(_Loop[RequestT, ResultT]):
             raise TypeError("on_error must be a plain function, not an async function")
         if not isinstance(name, str):
             raise TypeError("name must be a str")
+        if type(histograms) is not bool:
+            raise TypeError("histograms must be True or False")
         if store is not None and not isinstance(store, SqliteStore | PostgresStore):
             raise TypeError("store must be a tickler.SqliteStore, a tickler.PostgresStore or None")
         if codec is not None:
@@ -182,6 +185,11 @@ class Service(_Loop[RequestT, ResultT]):
         self._peak = 0
         self._in_flight = 0
         self._retrying = 0
+        self._histograms = histograms
+        self._wait_counts = [0] * (len(TIME_BUCKETS) + 1)
+        self._wait_sum = 0.0
+        self._run_counts = [0] * (len(TIME_BUCKETS) + 1)
+        self._run_sum = 0.0
 
         self.stopping = trio.Event()
         self._finished = trio.Event()
@@ -268,6 +276,12 @@ class Service(_Loop[RequestT, ResultT]):
                 store_errors=self._store_run.errors if self._store_run is not None else 0,
                 wakeups=self._wakeups,
                 peak_queued=max(self._peak, queued),
+                wait_time=Histogram(TIME_BUCKETS, tuple(self._wait_counts), self._wait_sum)
+                if self._histograms
+                else None,
+                run_time=Histogram(TIME_BUCKETS, tuple(self._run_counts), self._run_sum)
+                if self._histograms
+                else None,
             )
 
     def __repr__(self) -> str:
@@ -289,6 +303,7 @@ async def open_service(
     name: str = "tickler",
     store: SqliteStore | PostgresStore | None = None,
     codec: Codec | None = None,
+    histograms: bool = True,
     shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Service[RequestT, ResultT]]:
     """Run a :class:`Service` for the duration of an ``async with`` block.
@@ -308,6 +323,7 @@ async def open_service(
         name=name,
         store=store,
         codec=codec,
+        histograms=histograms,
     )
     body_error: BaseException | None = None
     try:

@@ -210,6 +210,7 @@ class Claimed:
     request: bytes
     attempts: int
     key: str | None
+    enqueued_at: float
 
 
 @attrs.define(eq=False)
@@ -491,7 +492,7 @@ class Connection:
                     },
                 ).fetchall()
                 rows.sort(key=lambda row: (row[5], row[0]))
-                result.claimed = [Claimed(row[0], row[1], row[2], row[3]) for row in rows]
+                result.claimed = [Claimed(*row[:5]) for row in rows]
             result.next_due = x(_NEXT_DUE, (queue,)).fetchone()[0]
             result.live = int(x(_ANY_LIVE, (queue, queue)).fetchone()[0])
             if batch.watched:

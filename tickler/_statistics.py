@@ -2,7 +2,47 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
+
+TIME_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0,
+    10.0, 25.0, 50.0,
+    100.0, 250.0, 500.0,
+    1000.0, 2500.0, 3600.0,
+)  # fmt: skip
+"""The upper bounds, in seconds, of the buckets of the wait and run time histograms:
+1, 2.5 and 5 in each decade from 100 µs, and one hour."""
+
+
+@attrs.frozen
+class Histogram:
+    """Durations counted into fixed buckets, as Prometheus histograms count them.
+
+    ``counts[i]`` counts the durations ``d`` with ``bounds[i - 1] < d <= bounds[i]``;
+    the last count, one more than there are bounds, those above the last bound.
+    """
+
+    bounds: tuple[float, ...]
+    """The buckets' upper bounds in seconds, ascending (:data:`TIME_BUCKETS`)."""
+    counts: tuple[int, ...]
+    """The durations in each bucket, and last those above every bound."""
+    sum: float
+    """The sum of the durations, in seconds."""
+
+    @property
+    def count(self) -> int:
+        """How many durations were counted."""
+        return sum(self.counts)
+
+    def cumulative(self) -> tuple[int, ...]:
+        """The durations at or below each bound, then all of them: Prometheus's ``le`` buckets."""
+        return tuple(itertools.accumulate(self.counts))
 
 
 @attrs.frozen
@@ -49,3 +89,10 @@ class ServiceStatistics:
     """The largest number of requests ever queued at once."""
     store_errors: int = 0
     """With a store: batches that failed and were retried (a full disk, a lost connection)."""
+    wait_time: Histogram | None = None
+    """How long requests waited from their enqueue to their first start: one duration
+    per request that started (a delayed request's includes its delay). ``None`` for a
+    service made with ``histograms=False``."""
+    run_time: Histogram | None = None
+    """How long attempts ran, from start to end, whatever their outcome: one duration
+    per attempt that ended. ``None`` for a service made with ``histograms=False``."""
