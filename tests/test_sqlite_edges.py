@@ -309,3 +309,96 @@ async def test_rows_held_without_knowing_are_handed_back(tmp_path: Path) -> None
         with trio.fail_after(5):
             assert await ticket.wait() == 1
         assert ticket.attempts == 1  # the lost claim, never started, is no attempt
+
+
+async def shout(request: str) -> str:
+    return request.upper()
+
+
+async def test_the_store_shares_the_applications_file(tmp_path: Path) -> None:
+    """enqueue_in writes in the application's transaction: its tables share the file."""
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE sites (id INTEGER PRIMARY KEY, state TEXT)")
+    store = tickler.SqliteStore(path, **FAST)
+    store.connect().close()
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO sites (state) VALUES ('creating')")
+        request_id = store.enqueue_in(db, "jobs", "step", key="site-1")
+    async with tickler.open_service(shout, store=store, name="jobs") as service:
+        await service.join()
+        ticket = await service.lookup("site-1")
+    assert ticket is not None
+    assert (ticket.id, ticket.status, ticket.result()) == (
+        request_id,
+        tickler.Status.SUCCEEDED,
+        "STEP",
+    )
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT state FROM sites").fetchall() == [("creating",)]
+        # A finished request is found by its key through an index, not a scan.
+        plan = db.execute(
+            "EXPLAIN QUERY PLAN SELECT id FROM tickler_requests WHERE queue = ? AND key = ?",
+            ("jobs", "site-1"),
+        ).fetchall()
+    assert "INDEX tickler_keys" in str(plan)
+
+
+async def test_a_cancelled_request_whose_owner_died_ends_cancelled_unrun(tmp_path: Path) -> None:
+    """Its cancel was accepted while it ran; its process died: nobody runs it again."""
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path, **FAST)
+    store.connect().close()
+    with sqlite3.connect(path) as db:
+        store.enqueue_in(db, "jobs", "step", key="site-1:fs")
+        store.enqueue_in(db, "jobs", "other")
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "UPDATE tickler_requests SET state = 'running', owner = 'dead', attempts = 1,"
+            " lease_until = ?, cancel_requested = ? WHERE id = 1",
+            (time.time() - 1, True),
+        )
+    ran: list[str] = []
+
+    async def handler(request: str) -> None:
+        ran.append(request)
+
+    async with tickler.open_service(handler, store=store, name="jobs") as service:
+        await service.join()
+        ticket = await service.lookup("site-1:fs")
+    assert ticket is not None
+    assert (ticket.status, ticket.attempts) == (tickler.Status.CANCELLED, 1)
+    assert ran == ["other"]
+
+
+async def test_a_process_does_not_claim_again_its_own_request_whose_lease_lapsed(
+    tmp_path: Path,
+) -> None:
+    """A lease that lapsed while the process could not write (a stall): the same
+    process claimed it again and ran it twice at once."""
+    starts: list[int] = []
+    release = trio.Event()
+
+    async def handler(request: int) -> int:
+        starts.append(request)
+        if request == 1:
+            await release.wait()
+        return request
+
+    store = tickler.SqliteStore(tmp_path / "q.db", poll_interval=30.0, lease=30.0)
+    async with tickler.open_service(handler, store=store, name="jobs") as service:
+        held = await service.submit(1)
+        with trio.fail_after(5):
+            while starts != [1]:
+                await trio.sleep(0.01)
+        with sqlite3.connect(store.path) as db:
+            db.execute(
+                "UPDATE tickler_requests SET lease_until = ? WHERE id = ?",
+                (time.time() - 1, held.id),
+            )
+        with trio.fail_after(5):
+            assert await (await service.submit(2)).wait() == 2
+        release.set()
+        with trio.fail_after(5):
+            assert await held.wait() == 1
+    assert starts == [1, 2]

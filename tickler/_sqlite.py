@@ -48,6 +48,7 @@ CREATE TABLE tickler_requests (
 );
 CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
     WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
+CREATE INDEX tickler_keys ON tickler_requests (queue, key) WHERE key IS NOT NULL;
 CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
     WHERE state IN ('queued', 'scheduled', 'retrying');
 CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
@@ -90,12 +91,22 @@ WHERE id IN (
         SELECT * FROM (
             SELECT id, lease_until AS due FROM tickler_requests
             WHERE queue = :queue AND state = 'running' AND lease_until < :now
+                AND owner <> :owner AND NOT cancel_requested
             ORDER BY lease_until LIMIT :limit
         )
     )
     ORDER BY due, id LIMIT :limit
 )
 RETURNING id, request, attempts, key, enqueued_at, run_at
+"""
+
+# A request whose cancel was asked for, and whose owner's lease lapsed (the
+# owner died): it ends CANCELLED, and nobody claims it again. The owner's own
+# rows are left to its next look, which withdraws the attempt.
+_END_CANCELLED_ORPHANS = """
+UPDATE tickler_requests
+SET state = 'cancelled', finished_at = ?, owner = NULL, lease_until = NULL
+WHERE queue = ? AND state = 'running' AND lease_until < ? AND owner <> ? AND cancel_requested
 """
 
 _NEXT_DUE = """
@@ -398,9 +409,13 @@ class Connection:
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path} is not a SQLite database ({exc})") from None
         if "tickler_schema" not in tables:
-            if tables - {"sqlite_sequence"}:
+            # The application's own tables may share the file (enqueue_in
+            # writes in its transactions), but not tables named as tickler's.
+            clashing = sorted(name for name in tables if name.startswith("tickler_"))
+            if clashing:
                 raise StoreError(
-                    f"{path} holds tables that are not tickler's; give tickler a file of its own"
+                    f"{path} holds {', '.join(clashing)} but no tickler_schema: a foreign schema"
+                    " under tickler's names"
                 )
             db.execute("BEGIN IMMEDIATE")
             try:  # (schema creation is SQLite's own; PostgresConnection has its own)
@@ -480,6 +495,8 @@ class Connection:
             if batch.renew:
                 x(_RENEW, (now + lease, queue, owner))
                 result.mine = {row[0]: bool(row[1]) for row in x(_MINE, (queue, owner))}
+            if batch.claim or batch.renew:
+                x(_END_CANCELLED_ORPHANS, (now, queue, now, owner))
             if batch.claim:
                 rows = x(
                     self.claim_sql,
