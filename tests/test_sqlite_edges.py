@@ -402,3 +402,38 @@ async def test_a_process_does_not_claim_again_its_own_request_whose_lease_lapsed
         with trio.fail_after(5):
             assert await held.wait() == 1
     assert starts == [1, 2]
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+async def test_a_request_cancelled_elsewhere_ends_cancelled_though_its_handler_ended_first(
+    tmp_path: Path, outcome: str
+) -> None:
+    """cancel() returned True: the request ends CANCELLED, whatever its handler did next."""
+    path = tmp_path / "queue.db"
+    release = trio.Event()
+    entered = trio.Event()
+
+    async def handler(request: str) -> str:
+        entered.set()
+        await release.wait()
+        if outcome == "raises":
+            raise ValueError("late")
+        return "done"
+
+    # Two processes of one queue on one file; the owner looks at the store every 5 s.
+    owner_store = tickler.SqliteStore(path, poll_interval=5.0)
+    other_store = tickler.SqliteStore(path, poll_interval=5.0)
+    async with (
+        tickler.open_service(handler, store=owner_store, name="jobs") as owner,
+        tickler.open_service(shout, store=other_store, name="jobs", capacity=1) as other,
+    ):
+        ticket = await owner.submit("step", key="site-1:fs")
+        await entered.wait()
+        assert await other.cancel("site-1:fs")
+        release.set()  # the handler ends before its process looks at the store
+        await owner.join()
+        final = await other.lookup("site-1:fs")
+    assert final is not None
+    assert ticket.status is tickler.Status.CANCELLED
+    assert final.status is tickler.Status.CANCELLED
+    assert owner.statistics().cancelled == 1

@@ -138,7 +138,13 @@ WHERE queue = ? AND state = 'running' AND owner = ?
 # finished_at is that time, taken once the write lock is held, so that rows
 # become final in the order of finished_at (see Batch.finished_since).
 _SETS = {
-    "succeeded": "state = 'succeeded', result = v.column2, finished_at = {now}",
+    # Once its cancel was asked for, a request ends CANCELLED, even if its
+    # handler returned (or failed) before the cancel reached it.
+    "succeeded": (
+        "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END,"
+        " result = CASE WHEN cancel_requested THEN NULL ELSE v.column2 END,"
+        " finished_at = {now}"
+    ),
     # A request whose cancel was asked for is never retried nor handed back.
     "retrying": (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'retrying' END,"
@@ -147,7 +153,8 @@ _SETS = {
         " error_message = v.column4, error_traceback = v.column5"
     ),
     "failed": (
-        "state = 'failed', finished_at = {now}, error_type = v.column3,"
+        "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'failed' END,"
+        " finished_at = {now}, error_type = v.column3,"
         " error_message = v.column4, error_traceback = v.column5"
     ),
     "cancelled": "state = 'cancelled', finished_at = {now}",
