@@ -8,6 +8,7 @@ enqueues, and a reconnect when the server went away.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 from ._codec import Codec
 from ._exceptions import StoreError
 from ._sqlite import (
+    _ANY_LIVE,
     _INSERT,
     _LIVE_ID_OF_KEY,
+    _NEXT_DUE,
     SCHEMA_VERSION,
     Batch,
     Connection,
@@ -71,32 +74,78 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 """
 
 # One statement per wake-up: the oldest ready rows and the expired leases,
-# skipping rows another replica is claiming at this instant. A lease of this
-# replica's own that lapsed (the server was away longer than the lease) is
-# never claimed by it again: its attempt still runs here, and the next look
-# renews the lease (or hands back a row this replica never learned it held).
+# skipping rows another replica is claiming at this instant. Each kind is
+# ordered and limited on its own partial index (tickler_ready,
+# tickler_running), so a claim reads about as many index entries as it
+# claims: one WHERE with an OR of the two would scan and sort every ready
+# row. A lease of this replica's own that lapsed (the server was away longer
+# than the lease) is never claimed by it again: its attempt still runs here,
+# and the next look renews the lease (or hands back a row this replica never
+# learned it held). A request whose cancel was asked for is never claimed
+# again: the batch ends it CANCELLED instead (rechecked here, since a cancel
+# can commit in between).
 _CLAIM = """
-UPDATE tickler_requests
+UPDATE tickler_requests AS t
 SET state = 'running', owner = :owner, lease_until = :lease_until,
-    attempts = attempts + 1, started_at = :now
-WHERE id IN (
-    SELECT id FROM tickler_requests
-    WHERE queue = :queue AND (
-        (state IN ('queued', 'scheduled', 'retrying') AND run_at <= :now)
-        OR (state = 'running' AND lease_until < :now AND owner <> :owner)
-    )
-    ORDER BY run_at, id LIMIT :limit
-    FOR UPDATE SKIP LOCKED
-)
-RETURNING id, request, attempts, key, enqueued_at, run_at
+    attempts = t.attempts + 1, started_at = :now
+FROM (
+    SELECT id FROM (
+        SELECT id, run_at AS due FROM (
+            SELECT id, run_at FROM tickler_requests
+            WHERE queue = :queue AND state IN ('queued', 'scheduled', 'retrying')
+                AND run_at <= :now
+            ORDER BY run_at, id LIMIT :limit
+            FOR UPDATE SKIP LOCKED
+        ) AS ready
+        UNION ALL
+        SELECT id, lease_until FROM (
+            SELECT id, lease_until FROM tickler_requests
+            WHERE queue = :queue AND state = 'running' AND lease_until < :now
+                AND owner <> :owner AND NOT cancel_requested
+            ORDER BY lease_until LIMIT :limit
+            FOR UPDATE SKIP LOCKED
+        ) AS expired
+    ) AS both_kinds
+    ORDER BY due, id LIMIT :limit
+) AS picked
+WHERE t.id = picked.id
+RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at
+"""
+
+# After the claim, the batch asks when the next ready row falls due and
+# whether anything is live. Both are answered here by one statement, each
+# part an ordered LIMIT 1 on its partial index: an EXISTS over the ready
+# states may be planned as a sequential scan, which reads every finished
+# row ahead of the first ready one.
+_DUE_AND_LIVE = """
+SELECT (
+    SELECT run_at FROM tickler_requests
+    WHERE queue = %(queue)s AND state IN ('queued', 'scheduled', 'retrying')
+    ORDER BY run_at LIMIT 1
+), (
+    SELECT 1 FROM tickler_requests
+    WHERE queue = %(queue)s AND state = 'running'
+    ORDER BY lease_until LIMIT 1
+) IS NOT NULL
 """
 
 _PLACEHOLDER = re.compile(r"\?|(?<!:):([a-z_]+)")
 
 
+@functools.lru_cache(maxsize=1024)
 def _psycopg_style(sql: str) -> str:
     """SQLite's ? and :name placeholders as psycopg's %s and %(name)s."""
     return _PLACEHOLDER.sub(lambda m: f"%({m.group(1)})s" if m.group(1) else "%s", sql)
+
+
+class _Answer:
+    """A statement's answer known without a round trip: one row."""
+
+    def __init__(self, row: tuple[Any, ...]) -> None:
+        self.row = row
+
+    def fetchone(self) -> tuple[Any, ...]:
+        return self.row
 
 
 class PostgresStore:
@@ -253,6 +302,8 @@ class PostgresConnection(Connection):
     def __init__(self, store: PostgresStore) -> None:
         self.pg_store = store
         self.db = self._open()
+        # (queue, whether anything is live), read with the next due time.
+        self._live: tuple[str, bool] | None = None
 
     def _open(self) -> psycopg.Connection[Any]:
         import psycopg
@@ -302,6 +353,15 @@ class PostgresConnection(Connection):
             )
 
     def _x(self, sql: str, params: Any = ()) -> Any:
+        if sql is _NEXT_DUE:
+            # _ANY_LIVE comes next in the batch: one round trip answers both.
+            (queue,) = params
+            due, running = self.db.execute(_DUE_AND_LIVE, {"queue": queue}).fetchone()
+            self._live = (queue, due is not None or running)
+            return _Answer((due,))
+        if sql is _ANY_LIVE and self._live is not None and self._live[0] == params[0]:
+            live, self._live = self._live[1], None
+            return _Answer((live,))
         return self.db.execute(_psycopg_style(sql), params)
 
     def _begin(self) -> None:
