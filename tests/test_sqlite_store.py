@@ -551,8 +551,9 @@ async def _claimed_ahead(
 ) -> tuple[tickler.SqliteStore, tickler.Service[int, None], trio.Event]:
     """A service whose only slot is held by request 1 while request 2 waits, claimed.
 
-    Request 0 ends at once: the batch that writes its outcome claims one
-    request more than the free slot, to wait in the queue.
+    Request 0 ends at once: the batch that writes its outcome claims two
+    requests (twice the attempts that ended) more than the free slot, to wait
+    in the queue.
     """
     gate = trio.Event()
 
@@ -565,9 +566,9 @@ async def _claimed_ahead(
     return store, service, gate
 
 
-async def _until_claimed_ahead(service: tickler.Service[int, None]) -> None:
+async def _until_claimed_ahead(service: tickler.Service[int, None], waiting: int = 1) -> None:
     with trio.fail_after(10):
-        while (service.statistics().in_flight, service.statistics().queued) != (1, 1):
+        while (service.statistics().in_flight, service.statistics().queued) != (1, waiting):
             await trio.sleep(0.01)
 
 
@@ -577,12 +578,13 @@ async def test_a_request_claimed_ahead_goes_back_at_a_stop_without_an_attempt(
     store, service, _ = await _claimed_ahead(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        for i in range(4):
-            service.enqueue_request(i)  # one batch inserts all four
-        await _until_claimed_ahead(service)
-        assert rows(store.path, "SELECT state FROM tickler_requests WHERE id = 3") == [("running",)]
+        for i in range(5):
+            service.enqueue_request(i)  # one batch inserts all five
+        await _until_claimed_ahead(service, waiting=2)
+        claimed = "SELECT state FROM tickler_requests WHERE id IN (3, 4)"
+        assert rows(store.path, claimed) == [("running",)] * 2
         handed_back = await service.stop(drain=False)
-    assert [(t.id, t.attempts) for t in handed_back] == [(2, 1), (3, 0)]
+    assert [(t.id, t.attempts) for t in handed_back] == [(2, 1), (3, 0), (4, 0)]
     assert rows(
         store.path, "SELECT id, state, attempts, started_at IS NULL FROM tickler_requests"
     ) == [
@@ -590,6 +592,7 @@ async def test_a_request_claimed_ahead_goes_back_at_a_stop_without_an_attempt(
         (2, "queued", 1, 0),
         (3, "queued", 0, 1),
         (4, "queued", 0, 1),
+        (5, "queued", 0, 1),
     ]
 
 

@@ -37,6 +37,9 @@ from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
 
 _T = TypeVar("_T")
 
+# With a store, the most a process claims ahead of its free slots, in capacities.
+_AHEAD = 4
+
 
 def _offset_of(clock: trio.abc.Clock) -> float:
     """For Trio's default clock, its offset from ``time.perf_counter()``; else 0.
@@ -136,11 +139,14 @@ class _Loop(_Processors[RequestT, ResultT]):
         queue = self._queue
         try:
             while True:
-                # Claim for every free slot, and as many more as attempts ended
-                # since the last batch (at most a capacity's worth): processors
-                # take those while the next batch commits. Slots that do not
-                # free up (long handlers) make it claim nothing ahead.
-                ahead = min(len(stored.outcomes), self._capacity)
+                # Claim for every free slot, and some more to wait in the queue,
+                # so that processors go on while the next batch commits: twice
+                # the attempts that ended since the last batch (the rate at
+                # which slots free up; twice, so that a starved pipeline grows),
+                # at most _AHEAD capacities' worth. Slots that do not free up
+                # (long handlers) make it claim nothing ahead, leaving the
+                # queue's other work to other processes.
+                ahead = min(2 * len(stored.outcomes), _AHEAD * self._capacity)
                 free = self._capacity + ahead - self._in_flight - len(queue)
                 claim = free if self._may_start and not self._stop_called and free > 0 else 0
                 batch, pending, outcomes = stored.build(self._lock, claim, wall_clock())
