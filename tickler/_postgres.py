@@ -83,12 +83,14 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 # and the next look renews the lease (or hands back a row this replica never
 # learned it held). A request whose cancel was asked for is never claimed
 # again: the batch ends it CANCELLED instead (rechecked here, since a cancel
-# can commit in between).
+# can commit in between). The ids are picked first, as an array, so that the
+# rows are then found by primary key: a join with the picked ids may be
+# planned as a hash join over a scan of the whole table.
 _CLAIM = """
 UPDATE tickler_requests AS t
 SET state = 'running', owner = :owner, lease_until = :lease_until,
     attempts = t.attempts + 1, started_at = :now
-FROM (
+WHERE t.id = ANY(ARRAY(
     SELECT id FROM (
         SELECT id, run_at AS due FROM (
             SELECT id, run_at FROM tickler_requests
@@ -107,8 +109,7 @@ FROM (
         ) AS expired
     ) AS both_kinds
     ORDER BY due, id LIMIT :limit
-) AS picked
-WHERE t.id = picked.id
+))
 RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at
 """
 
