@@ -437,3 +437,30 @@ async def test_a_request_cancelled_elsewhere_ends_cancelled_though_its_handler_e
     assert ticket.status is tickler.Status.CANCELLED
     assert final.status is tickler.Status.CANCELLED
     assert owner.statistics().cancelled == 1
+
+
+async def test_a_rescued_request_goes_before_the_backlog_queued_after_it(tmp_path: Path) -> None:
+    """Rows whose lease expired are claimed in the order they fell due, not of their expiry."""
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path, **FAST)
+    store.connect().close()
+    with sqlite3.connect(path) as db:
+        store.enqueue_in(db, "jobs", "rescued")
+    with sqlite3.connect(path) as db:
+        for i in range(3):
+            store.enqueue_in(db, "jobs", f"later {i}")
+    with sqlite3.connect(path) as db:
+        # Its process died; its lease expired after the others were enqueued.
+        db.execute(
+            "UPDATE tickler_requests SET state = 'running', owner = 'dead', attempts = 1,"
+            " lease_until = ? WHERE id = 1",
+            (time.time() - 0.001,),
+        )
+    order: list[str] = []
+
+    async def handler(request: str) -> None:
+        order.append(request)
+
+    async with tickler.open_service(handler, store=store, name="jobs", capacity=1) as service:
+        await service.join()
+    assert order == ["rescued", "later 0", "later 1", "later 2"]

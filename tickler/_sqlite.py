@@ -75,6 +75,9 @@ SELECT id FROM tickler_requests
 WHERE queue = ? AND key = ? AND state IN ('queued', 'scheduled', 'running', 'retrying')
 """
 
+# Ready rows, and rows whose lease expired (their process died), in the
+# order they fell due (run_at): a rescue goes before the backlog queued after
+# it, not behind it.
 _CLAIM = """
 UPDATE tickler_requests
 SET state = 'running', owner = :owner, lease_until = :lease_until,
@@ -89,7 +92,7 @@ WHERE id IN (
         )
         UNION ALL
         SELECT * FROM (
-            SELECT id, lease_until AS due FROM tickler_requests
+            SELECT id, run_at AS due FROM tickler_requests
             WHERE queue = :queue AND state = 'running' AND lease_until < :now
                 AND owner <> :owner AND NOT cancel_requested
             ORDER BY lease_until LIMIT :limit
