@@ -338,3 +338,124 @@ def listening(dsn: str, channel: str) -> bool:
             (f'LISTEN "{channel}"',),
         ).fetchone()
     return row is not None and row[0] > 0
+
+
+async def test_enqueue_in_through_a_connection_that_reads_rows_as_dicts(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: enqueue_in failed with KeyError: 0 on a connection with dict_row."""
+    import psycopg.rows
+
+    queue = store(postgres_dsn, postgres_schema, poll_interval=0.05)
+    queue.connect().close()  # creates the schema
+    with psycopg.connect(postgres_dsn, row_factory=psycopg.rows.dict_row) as connection:
+        plain = queue.enqueue_in(connection, "jobs", 1)
+        keyed = queue.enqueue_in(connection, "jobs", 2, key="k")
+        assert queue.enqueue_in(connection, "jobs", 3, key="k") == keyed  # the live one
+    assert plain > 0
+    assert keyed > plain
+    async with tickler.open_service(double, store=queue, name="jobs") as service:
+        with trio.fail_after(10):
+            while (found := await service.lookup("k")) is None or not found.done:
+                await trio.sleep(0.02)
+        assert found.result() == 4
+
+
+def _expire_with_cancel(dsn: str, schema: str, request_id: int) -> None:
+    """The request as if a replica had claimed it, been asked to cancel it, and died."""
+    with psycopg.connect(dsn) as connection:
+        connection.execute(
+            f'UPDATE "{schema}".tickler_requests SET state = %s, owner = %s,'  # noqa: S608
+            " attempts = 1, started_at = extract(epoch FROM clock_timestamp()) - 60,"
+            " lease_until = extract(epoch FROM clock_timestamp()) - 1,"
+            " cancel_requested = TRUE WHERE id = %s",
+            ("running", "a-replica-that-died", request_id),
+        )
+
+
+async def test_a_cancelled_request_whose_owner_died_ends_cancelled_unrun(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: another replica claimed it once the dead owner's lease lapsed, and ran it."""
+    starts: list[int] = []
+
+    async def handler(request: int) -> int:
+        starts.append(request)
+        return request
+
+    queue = store(postgres_dsn, postgres_schema, poll_interval=0.05)
+    queue.connect().close()
+    with psycopg.connect(postgres_dsn) as connection:
+        orphan = queue.enqueue_in(connection, "jobs", 1)
+    _expire_with_cancel(postgres_dsn, postgres_schema, orphan)
+    async with tickler.open_service(handler, store=queue, name="jobs") as service:
+        with trio.fail_after(5):
+            assert await (await service.submit(2)).wait() == 2  # a batch that claims
+            while (found := await service.lookup(orphan)) is None or not found.done:
+                await trio.sleep(0.02)
+        assert found.status is tickler.Status.CANCELLED
+    assert starts == [2]
+
+
+def test_the_claim_never_takes_an_expired_lease_whose_cancel_was_asked_for(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """The claim itself skips such a row: a cancel can commit between the batch's statements."""
+    queue = store(postgres_dsn, postgres_schema)
+    connection = queue.connect()
+    try:
+        with psycopg.connect(postgres_dsn) as caller:
+            orphan = queue.enqueue_in(caller, "jobs", 1)
+            lapsed = queue.enqueue_in(caller, "jobs", 2)
+        _expire_with_cancel(postgres_dsn, postgres_schema, orphan)
+        _expire_with_cancel(postgres_dsn, postgres_schema, lapsed)
+        with psycopg.connect(postgres_dsn, autocommit=True) as caller:
+            caller.execute(
+                f'UPDATE "{postgres_schema}".tickler_requests'  # noqa: S608
+                " SET cancel_requested = FALSE WHERE id = %s",
+                (lapsed,),
+            )
+        now = connection._now()
+        params = {"owner": "me", "lease_until": now + 30, "now": now, "queue": "jobs", "limit": 10}
+        claimed = connection._x(connection.claim_sql, params).fetchall()
+        assert [row[0] for row in claimed] == [lapsed]  # only the one without a cancel
+    finally:
+        connection.close()
+
+
+async def test_lookup_of_a_finished_request_by_key_reads_an_index(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Regression: the index of keys held live rows only, so such a lookup read the whole table."""
+    queue = store(postgres_dsn, postgres_schema)
+    connection = queue.connect()
+    try:
+        table = f'"{postgres_schema}".tickler_requests'
+        with psycopg.connect(postgres_dsn) as caller:
+            caller.execute(
+                f"INSERT INTO {table} (queue, key, state, request, run_at, enqueued_at,"  # noqa: S608
+                " finished_at) SELECT 'jobs', '\"k' || i || '\"', 'succeeded', 'null', 0, 0, 0"
+                " FROM generate_series(1, 5000) AS i"
+            )
+            caller.execute(f"ANALYZE {table}")
+        asked: list[tuple[str, Any]] = []
+        run = connection._x
+
+        def spy(sql: str, params: Any = ()) -> Any:
+            asked.append((sql, params))
+            return run(sql, params)
+
+        connection._x = spy  # type: ignore[method-assign]
+        found = connection.lookup("jobs", "k77")
+        assert found is not None
+        assert found.state == "succeeded"
+        ((sql, params),) = asked
+        from tickler._postgres import _psycopg_style
+
+        plan = "\n".join(
+            row[0] for row in connection.db.execute("EXPLAIN " + _psycopg_style(sql), params)
+        )
+        assert "tickler_keys" in plan, plan
+        assert "Seq Scan" not in plan, plan
+    finally:
+        connection.close()

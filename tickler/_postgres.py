@@ -65,6 +65,8 @@ CREATE TABLE tickler_requests (
 );
 CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
     WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
+-- lookup(key) of a finished request, which the index of live keys does not hold.
+CREATE INDEX tickler_keys ON tickler_requests (queue, key) WHERE key IS NOT NULL;
 CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
     WHERE state IN ('queued', 'scheduled', 'retrying');
 CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
@@ -100,8 +102,8 @@ WHERE t.id = ANY(ARRAY(
             FOR UPDATE SKIP LOCKED
         ) AS ready
         UNION ALL
-        SELECT id, lease_until FROM (
-            SELECT id, lease_until FROM tickler_requests
+        SELECT id, run_at FROM (
+            SELECT id, run_at FROM tickler_requests
             WHERE queue = :queue AND state = 'running' AND lease_until < :now
                 AND owner <> :owner AND NOT cancel_requested
             ORDER BY lease_until LIMIT :limit
@@ -189,6 +191,7 @@ class PostgresStore:
         self.schema = schema
         self.retention = _positive("retention", retention, allow_zero=True)
         self._codecs: dict[str, Codec] = {}
+        self._enqueue_sql: dict[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"tickler.PostgresStore(schema={self.schema!r})"
@@ -212,21 +215,38 @@ class PostgresStore:
         or the live request's id if ``key`` is live.
         """
         import psycopg
+        import psycopg.rows
 
         if not isinstance(connection, psycopg.Connection):
             raise TypeError("connection must be a psycopg.Connection")
-        qualified = f'"{self.schema}".tickler_requests'
-        insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
-        live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
+        # A cursor of its own reads rows as tuples, whatever the connection's
+        # row factory.
+        statements = self._enqueue_statements()
+        with connection.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
 
-        def x(sql: str, params: Any) -> Any:
-            # Write to this store's schema, whatever the caller's search_path.
-            return connection.execute({_INSERT: insert, _LIVE_ID_OF_KEY: live}[sql], params)
+            def x(sql: str, params: Any) -> Any:
+                if sql == _INSERT and self.notify:
+                    params = (*params, self.channel, queue)  # pg_notify's
+                return cursor.execute(statements[sql], params)
 
-        request_id = enqueue_through(x, self._codecs, queue, request, key, delay)
-        if self.notify:
-            connection.execute("SELECT pg_notify(%s, %s)", (self.channel, queue))
-        return request_id
+            return enqueue_through(x, self._codecs, queue, request, key, delay)
+
+    def _enqueue_statements(self) -> dict[str, str]:
+        """enqueue_in's statements, in this store's schema whatever the caller's search_path.
+
+        The insert sends the NOTIFY itself when it inserts a row: one round
+        trip a request, and the notification goes out at the caller's commit.
+        """
+        if self._enqueue_sql is None:
+            qualified = f'"{self.schema}".tickler_requests'
+            insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
+            if self.notify:
+                # The channel and queue are parameters' values, never SQL:
+                # only the placeholders for them are added here.
+                insert = f"WITH inserted AS ({insert}) SELECT id, pg_notify(%s, %s) FROM inserted"  # noqa: S608
+            live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
+            self._enqueue_sql = {_INSERT: insert, _LIVE_ID_OF_KEY: live}
+        return self._enqueue_sql
 
     def listener(self, queue: str) -> Listener | None:
         """A LISTEN on this schema's channel for ``queue``, or None with notify=False."""
