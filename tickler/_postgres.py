@@ -21,8 +21,10 @@ from ._sqlite import (
     _INSERT,
     _LIVE_ID_OF_KEY,
     _NEXT_DUE,
+    _SETS,
     SCHEMA_VERSION,
     Batch,
+    BatchResult,
     Connection,
     _positive,
     enqueue_through,
@@ -141,14 +143,45 @@ def _psycopg_style(sql: str) -> str:
     return _PLACEHOLDER.sub(lambda m: f"%({m.group(1)})s" if m.group(1) else "%s", sql)
 
 
+# The SQL type of each value an outcome writes (see Connection.run), after
+# the id and before the batch's time: the arrays unnest() reads them from.
+_OUTCOME_TYPES = {
+    "succeeded": ("bytea", "float8"),
+    "retrying": ("float8", "text", "text", "text"),
+    "failed": ("float8", "text", "text", "text"),
+    "cancelled": ("float8",),
+    "handed_back": ("float8",),
+    "returned": ("float8",),
+}
+
+
+@functools.cache
+def _outcome_sql(kind: str) -> str:
+    """One UPDATE for every outcome of a kind: one text, prepared once, whatever their number."""
+    types = ("int8", *_OUTCOME_TYPES[kind], "float8")
+    columns = ", ".join(f"column{i}" for i in range(1, len(types) + 1))
+    arrays = ", ".join(f"%s::{t}[]" for t in types)
+    sets = _SETS[kind].format(now=f"v.column{len(types)}")
+    return (
+        f"UPDATE tickler_requests SET {sets}, owner = NULL, lease_until = NULL"  # noqa: S608
+        f" FROM unnest({arrays}) AS v({columns})"
+        " WHERE tickler_requests.id = v.column1 AND owner = %s AND state = 'running'"
+        " RETURNING tickler_requests.id, state"
+    )
+
+
 class _Answer:
-    """A statement's answer known without a round trip: one row."""
+    """A statement's answer, read already or known without a round trip."""
 
-    def __init__(self, row: tuple[Any, ...]) -> None:
+    def __init__(self, row: tuple[Any, ...] | None, rows: list[Any] | None = None) -> None:
         self.row = row
+        self.rows = rows if rows is not None else [row]
 
-    def fetchone(self) -> tuple[Any, ...]:
+    def fetchone(self) -> tuple[Any, ...] | None:
         return self.row
+
+    def fetchall(self) -> list[Any]:
+        return self.rows
 
 
 class PostgresStore:
@@ -325,6 +358,9 @@ class PostgresConnection(Connection):
         self.db = self._open()
         # (queue, whether anything is live), read with the next due time.
         self._live: tuple[str, bool] | None = None
+        # The batch's claim: (queue, whether it took all it asked for, its time).
+        self._claimed: tuple[str, bool, float] | None = None
+        self._pipeline: psycopg.Pipeline | None = None
 
     def _open(self) -> psycopg.Connection[Any]:
         import psycopg
@@ -373,10 +409,40 @@ class PostgresConnection(Connection):
                 f" reads version {SCHEMA_VERSION}"
             )
 
+    def run(
+        self, queue: str, owner: str, lease: float, retention: float, batch: Batch
+    ) -> BatchResult:
+        """Connection.run in psycopg's pipeline mode.
+
+        A statement whose answer the batch does not read (BEGIN, the lease
+        renewal, the end of cancelled orphans, the NOTIFY) waits to go out
+        with the next one whose answer it reads: fewer round trips, each of
+        which costs a wait for the GIL as well as the network.
+        """
+        self._reconnect_if_broken()
+        self._claimed = None
+        with self.db.pipeline() as pipeline:
+            self._pipeline = pipeline
+            try:
+                return super().run(queue, owner, lease, retention, batch)
+            finally:
+                self._pipeline = None
+
     def _x(self, sql: str, params: Any = ()) -> Any:
+        if sql is self.claim_sql:
+            rows = self.db.execute(_psycopg_style(sql), params).fetchall()
+            self._claimed = (params["queue"], len(rows) >= params["limit"], params["now"])
+            return _Answer(None, rows)
         if sql is _NEXT_DUE:
             # _ANY_LIVE comes next in the batch: one round trip answers both.
             (queue,) = params
+            claimed = self._claimed
+            if claimed is not None and claimed[0] == queue and claimed[1]:
+                # The claim took as many as it asked for: more may be due
+                # now, and what it took runs. (The loop looks again once it
+                # has room; that batch's claim then tells.)
+                self._live = (queue, True)
+                return _Answer((claimed[2],))
             due, running = self.db.execute(_DUE_AND_LIVE, {"queue": queue}).fetchone()
             self._live = (queue, due is not None or running)
             return _Answer((due,))
@@ -385,12 +451,29 @@ class PostgresConnection(Connection):
             return _Answer((live,))
         return self.db.execute(_psycopg_style(sql), params)
 
+    def _write_outcomes(
+        self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]], now: float
+    ) -> list[str | None]:
+        """As Connection's, one statement per kind: its values as arrays, one per column."""
+        by_kind: dict[str, list[tuple[Any, ...]]] = {}
+        for kind, request_id, values in outcomes:
+            if len(values) != len(_OUTCOME_TYPES.get(kind, ())):
+                return super()._write_outcomes(owner, outcomes, now)  # a kind of another shape
+            by_kind.setdefault(kind, []).append((request_id, *values, now))
+        applied: dict[int, str] = {}
+        for kind, rows in by_kind.items():
+            arrays = [list(column) for column in zip(*rows, strict=True)]
+            applied.update(self.db.execute(_outcome_sql(kind), [*arrays, owner]).fetchall())
+        return [applied.get(request_id) for _, request_id, _ in outcomes]
+
     def _begin(self) -> None:
         self._reconnect_if_broken()  # the server went away, and the loop retries
         self.db.execute("BEGIN")
 
     def _commit(self) -> None:
         self.db.execute("COMMIT")
+        if self._pipeline is not None:
+            self._pipeline.sync()  # the COMMIT's answer, and its error, before run returns
 
     def _rollback(self) -> None:
         import psycopg
