@@ -56,9 +56,9 @@ def wait_for_go() -> None:
 def tickler_insert(config: dict[str, Any]) -> None:
     """Insert the drain's rows as README tells other drivers to (here by COPY), and NOTIFY once.
 
-    (enqueue_in costs two round trips a request, which would make inserting
-    100,000 requests take longer than draining them; its own throughput is
-    measured in the enqueue mode.)
+    (enqueue_in costs a round trip a request, which would make inserting
+    100,000 requests take about as long as draining them; its own throughput
+    is measured in the enqueue mode.)
     """
     store = tickler.PostgresStore(config["dsn"], schema=config["schema"])
     store.connect().close()  # creates the schema
