@@ -98,17 +98,22 @@ async def main(args: argparse.Namespace) -> None:
             with trio.move_on_after(30):
                 while True:
                     found = await service.lookup("blocker")
-                    if (
-                        found is not None
-                        and found.status is tickler.Status.RUNNING
-                        and not running_blocker
-                    ):
+                    # Running in another process: that one logged its start.
+                    # (RUNNING in the store alone could be this process's own
+                    # claim ahead of its free slots.)
+                    started_elsewhere = any(
+                        line.split()[1:2] == ["start"]
+                        and line.split()[3] == "blocker"
+                        and line.split()[0] != str(os.getpid())
+                        for line in Path(args.log).read_text().splitlines()
+                    )
+                    if found is not None and started_elsewhere and not running_blocker:
                         if await service.cancel("blocker"):
                             log("cancel", found.id, "blocker")
                         break
                     if found is not None and found.done:
                         break
-                    await trio.sleep(0.02)
+                    await trio.sleep(0.05)
         await service.join()
         nursery.cancel_scope.cancel()
 

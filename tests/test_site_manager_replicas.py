@@ -459,11 +459,6 @@ async def test_a_delete_cancels_the_step_another_replica_runs(
     assert_removed(tmp_path / "data", site_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tickler claims a request whose cancel was asked for once its dead owner's lease"
-    " expires, and runs it until its next look at the store",
-)
 async def test_a_step_cancelled_on_a_dead_replica_does_not_run_again(
     tmp_path: Path, postgres_dsn: str, postgres_schema: str
 ) -> None:
