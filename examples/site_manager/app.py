@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import hypercorn.config
 import hypercorn.trio
+import prometheus_client
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import tickler
+import tickler.prometheus
 
 from .store import QUEUE, STEPS, DomainTaken, Sites, Step, TooManyPending, open_database
 from .workflow import Backend, BackendError, StepLog, Workflow, abort_creation
@@ -96,9 +98,11 @@ def make_app(
     settings: Settings,
     log: StepLog | None = None,
 ) -> Starlette:
-    """The ASGI app: POST/GET/DELETE /sites and GET /stats."""
+    """The ASGI app: POST/GET/DELETE /sites, GET /stats and GET /metrics."""
     if log is None:
         log = StepLog()
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(tickler.prometheus.Collector(service))
 
     async def describe(status: dict[str, Any]) -> dict[str, Any]:
         """The status, with each step's attempts as tickler counts them, in any replica."""
@@ -166,12 +170,18 @@ def make_app(
             }
         )
 
+    async def metrics(request: Request) -> Response:
+        # Off the Trio thread: the collector reads the store with an await in this run.
+        body = await trio.to_thread.run_sync(prometheus_client.generate_latest, registry)
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
     return Starlette(
         routes=[
             Route("/sites", create_site, methods=["POST"]),
             Route("/sites/{site_id:int}", get_site, methods=["GET"]),
             Route("/sites/{site_id:int}", delete_site, methods=["DELETE"]),
             Route("/stats", stats, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ]
     )
 
