@@ -24,7 +24,6 @@ import attrs
 import httpx
 import psycopg
 import psycopg.sql
-import pytest
 import trio
 
 from examples.site_manager.store import QUEUE, queue_schema

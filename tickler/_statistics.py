@@ -49,8 +49,10 @@ class Histogram:
 class ServiceStatistics:
     """A consistent snapshot of a service's counters.
 
-    At every moment ``enqueued == queued + scheduled + in_flight + retrying +
-    succeeded + failed + cancelled``.
+    For the in-memory engine, at every moment ``enqueued == queued + scheduled +
+    in_flight + retrying + succeeded + failed + cancelled``. With a store, requests
+    move between processes (and arrive through ``enqueue_in``), so the counters are
+    this process's and need not add up.
     """
 
     queued: int
