@@ -44,8 +44,8 @@ def test_the_buckets_are_roughly_logarithmic_from_100_microseconds_to_an_hour() 
     assert TIME_BUCKETS[-1] == 3600.0
     assert list(TIME_BUCKETS) == sorted(set(TIME_BUCKETS))
     assert all(1.3 < b / a <= 2.5 for a, b in itertools.pairwise(TIME_BUCKETS))
-    check(tickler.Service(noop).statistics().wait_time, [])
-    check(tickler.Service(noop).statistics().run_time, [])
+    check(tickler.Service(noop, histograms=True).statistics().wait_time, [])
+    check(tickler.Service(noop, histograms=True).statistics().run_time, [])
 
 
 async def test_waits_and_runs_land_in_their_buckets(autojump_clock: trio.abc.Clock) -> None:
@@ -55,7 +55,9 @@ async def test_waits_and_runs_land_in_their_buckets(autojump_clock: trio.abc.Clo
     async def sleep_for(seconds: float) -> None:
         await trio.sleep(seconds)
 
-    async with tickler.open_service(sleep_for, capacity=1, max_queue_length=None) as service:
+    async with tickler.open_service(
+        sleep_for, capacity=1, max_queue_length=None, histograms=True
+    ) as service:
         tickets = [service.enqueue_request(seconds) for seconds in runs]
         await service.join()
         statistics = service.statistics()
@@ -85,6 +87,7 @@ async def test_every_attempt_counts_a_run_and_each_request_one_wait(
         capacity=4,
         retry=tickler.Retry(attempts=3, initial=1.0, factor=1.0, jitter=False),
         timeout=4.0,
+        histograms=True,
         on_error=lambda ticket, exc: None,
     )
     async with trio.open_nursery() as nursery:
@@ -103,7 +106,7 @@ async def test_every_attempt_counts_a_run_and_each_request_one_wait(
 
 
 async def test_a_delayed_request_waits_its_delay(autojump_clock: trio.abc.Clock) -> None:
-    async with tickler.open_service(noop) as service:
+    async with tickler.open_service(noop, histograms=True) as service:
         service.enqueue_request(1, delay=2.0)
         await service.join()
         check(service.statistics().wait_time, [2.0])
@@ -118,7 +121,7 @@ async def test_a_store_counts_the_wait_from_the_rows_enqueue(tmp_path: Path) -> 
     with sqlite3.connect(store.path) as connection:
         store.enqueue_in(connection, "jobs", "old")
         connection.execute("UPDATE tickler_requests SET enqueued_at = enqueued_at - 7")
-    async with tickler.open_service(noop, store=store, name="jobs") as service:
+    async with tickler.open_service(noop, store=store, name="jobs", histograms=True) as service:
         await service.join()
         wait_time = service.statistics().wait_time
     assert wait_time is not None
@@ -128,8 +131,8 @@ async def test_a_store_counts_the_wait_from_the_rows_enqueue(tmp_path: Path) -> 
     assert wait_time.counts[bisect.bisect_left(TIME_BUCKETS, 10.0)] == 1
 
 
-async def test_a_service_can_keep_no_histograms(autojump_clock: trio.abc.Clock) -> None:
-    async with tickler.open_service(noop, histograms=False) as service:
+async def test_a_service_keeps_no_histograms_unless_asked(autojump_clock: trio.abc.Clock) -> None:
+    async with tickler.open_service(noop) as service:
         await service.submit(1)
         await service.join()
         statistics = service.statistics()

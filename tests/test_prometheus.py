@@ -135,11 +135,12 @@ async def test_a_scrape_is_statistics_at_that_moment(autojump_clock: trio.abc.Cl
         capacity=2,
         max_queue_length=3,
         retry=tickler.Retry(attempts=3, initial=100.0, jitter=False),
+        histograms=True,
     )
     plain = tickler.Service(
-        handler, name="plain", max_queue_length=None, histograms=False, on_error=lambda t, e: None
+        handler, name="plain", max_queue_length=None, on_error=lambda t, e: None
     )
-    stopped = tickler.Service(handler, name="stopped")
+    stopped = tickler.Service(handler, name="stopped", histograms=True)
     idle = tickler.Service(handler, name="idle")  # never started
     idle.enqueue_request("waits")
     registry = registry_of(busy, plain, stopped, idle)
@@ -204,7 +205,7 @@ async def test_histogram_buckets_are_cumulative_with_their_sum(
         await trio.sleep(seconds)
 
     async with tickler.open_service(
-        sleep_for, capacity=1, max_queue_length=None, name="sleeper"
+        sleep_for, capacity=1, max_queue_length=None, name="sleeper", histograms=True
     ) as service:
         registry = registry_of(service)
         for seconds in runs:

@@ -96,7 +96,7 @@ class Service(_Loop[RequestT, ResultT]):
         name: str = "tickler",
         store: SqliteStore | PostgresStore | None = None,
         codec: Codec | None = None,
-        histograms: bool = True,
+        histograms: bool = False,
     ) -> None:
         if not callable(handler):
             raise TypeError("handler must be callable")
@@ -303,7 +303,7 @@ async def open_service(
     name: str = "tickler",
     store: SqliteStore | PostgresStore | None = None,
     codec: Codec | None = None,
-    histograms: bool = True,
+    histograms: bool = False,
     shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Service[RequestT, ResultT]]:
     """Run a :class:`Service` for the duration of an ``async with`` block.

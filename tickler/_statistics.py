@@ -93,8 +93,9 @@ class ServiceStatistics:
     """With a store: batches that failed and were retried (a full disk, a lost connection)."""
     wait_time: Histogram | None = None
     """How long requests waited from their enqueue to their first start: one duration
-    per request that started (a delayed request's includes its delay). ``None`` for a
-    service made with ``histograms=False``."""
+    per request that started (a delayed request's includes its delay). ``None`` unless
+    the service was made with ``histograms=True``."""
     run_time: Histogram | None = None
     """How long attempts ran, from start to end, whatever their outcome: one duration
-    per attempt that ended. ``None`` for a service made with ``histograms=False``."""
+    per attempt that ended. ``None`` unless the service was made with
+    ``histograms=True``."""

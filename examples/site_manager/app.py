@@ -233,6 +233,7 @@ async def serve(
             retry=retry,
             name=QUEUE,
             store=database.store,
+            histograms=True,  # GET /metrics exports them
             shutdown_timeout=settings.shutdown_timeout,
         ) as service:
             config = hypercorn.config.Config()
