@@ -628,3 +628,27 @@ async def test_a_request_claimed_ahead_and_cancelled_elsewhere_never_starts(
         gate.set()
         await service.stop()
     assert rows(store.path) == [(1, "succeeded", 1), (2, "succeeded", 1), (3, "cancelled", 0)]
+
+
+async def test_a_request_dropped_unstarted_whose_lease_was_gone_follows_its_row(
+    tmp_path: Path,
+) -> None:
+    """Cancelled here while claimed ahead, but another process held it by then."""
+    store, service, gate = await _claimed_ahead(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        tickets = [service.enqueue_request(i) for i in range(3)]
+        await _until_claimed_ahead(service)
+        with sqlite3.connect(store.path) as db:  # another process took it over
+            db.execute("UPDATE tickler_requests SET owner = 'other' WHERE id = 3")
+        assert await service.cancel(tickets[2].id)
+        with sqlite3.connect(store.path) as db:  # which then saw the cancel
+            db.execute(
+                "UPDATE tickler_requests SET state = 'cancelled', finished_at = ?,"
+                " owner = NULL WHERE id = 3",
+                (time.time(),),
+            )
+        with trio.fail_after(10), pytest.raises(tickler.RequestCancelled):
+            await tickets[2].wait()
+        gate.set()
+        await service.stop()
