@@ -3,8 +3,9 @@
 Only the supervisor loop talks to the store, once per wake-up, through one
 batch in one transaction on a worker thread: the requests enqueued since the
 last batch, the outcomes of the attempts that ended, lease renewals, claims
-up to the free capacity, and the final states of requests waited for that
-run elsewhere. enqueue_request and the processors only append to lists here.
+for the free slots and some ahead of them (see _Loop._supervise_store), and
+the final states of requests waited for that run elsewhere. enqueue_request
+and the processors only append to lists here.
 """
 
 from __future__ import annotations
