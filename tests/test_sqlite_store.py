@@ -652,3 +652,153 @@ async def test_a_request_dropped_unstarted_whose_lease_was_gone_follows_its_row(
             await tickets[2].wait()
         gate.set()
         await service.stop()
+
+
+async def test_each_ticket_gets_its_own_rows_id_across_many_statements(tmp_path: Path) -> None:
+    # Rows without a key go many to a statement, keyed ones one by one; the
+    # ids a batch hands out must be the ids of the tickets' own rows.
+    gate = trio.Event()
+
+    async def held(request: Any) -> Any:
+        await gate.wait()
+        return request
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(held, store=store, name="jobs", capacity=1) as service:
+        with trio.fail_after(10):
+            first = await service.submit("first")  # ids 1.. are taken before this batch
+        tickets = [
+            service.enqueue_request(f"r{i}", key=f"k{i}" if i % 97 == 0 else None)
+            for i in range(700)
+        ]
+        with trio.fail_after(10):
+            await service.submit("last")
+        gate.set()
+    by_id = dict(rows(store.path, "SELECT id, request FROM tickler_requests"))
+    assert len({t.id for t in tickets}) == 700
+    assert all(t.id > first.id for t in tickets)
+    assert all(by_id[t.id] == f'"r{i}"'.encode() for i, t in enumerate(tickets))
+
+
+async def test_a_none_result_is_kept_as_null_and_read_back_as_none(tmp_path: Path) -> None:
+    class Tagged:
+        """A codec that would tell None apart, were it asked."""
+
+        def encode(self, obj: Any) -> bytes:
+            return b"tag:" + repr(obj).encode()
+
+        def decode(self, data: bytes) -> Any:
+            assert data.startswith(b"tag:")
+            return data[4:].decode()
+
+    async def nothing(request: int) -> None:
+        return None
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(nothing, store=store, name="jobs", codec=Tagged()) as service:
+        ticket = await service.submit(1)
+        await ticket.wait()
+        assert ticket.result() is None
+        found = await service.lookup(ticket.id)
+    assert found is not None
+    assert found.status is tickler.Status.SUCCEEDED
+    assert found.result() is None
+    assert rows(store.path, "SELECT request, result FROM tickler_requests") == [(b"tag:1", None)]
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        0,
+        -17,
+        10**40,
+        2.5,
+        -0.0,
+        1e300,
+        True,
+        "",
+        "é \n \u2028 \x00",
+        [],
+        [1, [2, [3, None]]],
+        {"a": 1, "b": {"c": [True, False]}},
+        {1: "int key", 2.5: "float key", None: "none key"},
+        ("a", 1),
+    ],
+)
+def test_json_codec_writes_what_json_writes(obj: Any) -> None:
+    import json
+
+    codec = tickler.JsonCodec()
+    data = codec.encode(obj)
+    assert data == json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    assert codec.decode(data) == json.loads(data)
+
+
+def test_json_codec_refuses_with_type_error() -> None:
+    codec = tickler.JsonCodec()
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    for bad, says in [
+        (float("nan"), "float"),
+        (float("inf"), "float"),
+        ([1, float("-inf")], "list"),
+        (cycle, "contains itself"),
+        ({"a": object()}, "not JSON serializable"),
+        ({(1, 2): "tuple key"}, "keys must be"),
+        ({1, 2}, "set"),
+    ]:
+        with pytest.raises(TypeError, match=says):
+            codec.encode(bad)
+
+
+async def test_a_version_1_file_is_migrated_and_keeps_its_requests(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path, **FAST)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        assert await (await service.submit(1)).wait() == 2
+        service.enqueue_request(2)  # committed by the stop, not run
+        await service.stop(drain=False)
+    # Make the file what version 1 wrote.
+    connection = sqlite3.connect(path)
+    connection.executescript(
+        """
+        DROP INDEX tickler_finished;
+        CREATE INDEX tickler_finished ON tickler_requests (finished_at)
+            WHERE state IN ('succeeded', 'failed', 'cancelled');
+        DROP INDEX tickler_ready;
+        CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
+            WHERE state IN ('queued', 'scheduled', 'retrying');
+        DROP INDEX tickler_live_keys;
+        CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
+            WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
+        UPDATE tickler_schema SET version = 1;
+        """
+    )
+    connection.close()
+
+    def indexed() -> str:
+        return " ".join(
+            sql for (sql,) in rows(path, "SELECT sql FROM sqlite_master WHERE type = 'index'")
+        )
+
+    assert indexed().count("state IN") == 3
+    async with tickler.open_service(
+        double, store=tickler.SqliteStore(path, **FAST), name="jobs"
+    ) as again:
+        with trio.fail_after(10):
+            while (await again.store_statistics())["succeeded"] < 2:
+                await trio.sleep(0.02)
+    assert rows(path, "SELECT version FROM tickler_schema") == [(2,)]
+    assert "state IN" not in indexed()
+    assert "WHERE finished_at IS NOT NULL" in indexed()
+    assert rows(path, "SELECT id, state, result FROM tickler_requests") == [
+        (1, "succeeded", b"2"),
+        (2, "succeeded", b"4"),
+    ]
+    # A version this tickler does not know is refused, with nothing written.
+    connection = sqlite3.connect(path)
+    connection.execute("UPDATE tickler_schema SET version = 3")
+    connection.commit()
+    connection.close()
+    with pytest.raises(tickler.StoreError, match="version 3"):
+        await tickler.Service(double, store=tickler.SqliteStore(path), name="jobs").run()

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._postgres import SCHEMA_VERSION as postgres_version
 from ._postgres import _psycopg_style
-from ._sqlite import FINAL, LIVE, SCHEMA_VERSION
+from ._sqlite import _MIGRATIONS, FINAL, LIVE, SCHEMA_VERSION
 
 _PREFIX = "sqlite:///"
 _LATEST_FAILURES = 5
@@ -63,7 +64,7 @@ def inspect_postgres(dsn: str, schema: str) -> str:
             version = db.execute("SELECT version FROM tickler_schema").fetchone()
         except psycopg.Error:
             raise ValueError(f"schema {schema!r}: not a tickler store") from None
-        if version is None or version[0] != SCHEMA_VERSION:
+        if version is None or version[0] != postgres_version:
             raise ValueError(f"schema {schema!r}: tickler schema version unknown")
         return _report(lambda sql, params: db.execute(_psycopg_style(sql), params).fetchall())
     finally:
@@ -83,7 +84,8 @@ def inspect_sqlite(path: Path) -> str:
             version = db.execute("SELECT version FROM tickler_schema").fetchone()
         except sqlite3.DatabaseError:
             raise ValueError(f"{path}: not a tickler store") from None
-        if version is None or version[0] != SCHEMA_VERSION:
+        # An older version reads the same (a migration changes only indexes).
+        if version is None or (version[0] != SCHEMA_VERSION and version[0] not in _MIGRATIONS):
             raise ValueError(f"{path}: tickler schema version {version and version[0]} unknown")
         return _report(lambda sql, params: db.execute(sql, params).fetchall())
     finally:

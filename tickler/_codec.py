@@ -17,8 +17,43 @@ class Codec(Protocol):
 
 # One encoder and decoder for every call: json.dumps with options builds a new
 # encoder each time, which costs more than encoding a small request.
-_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_ENCODE = _ENCODER.encode
 _DECODE = json.JSONDecoder().decode
+
+
+def _c_encoder() -> Any:
+    """json's C encoder with _ENCODER's options, built once; None where there is none.
+
+    JSONEncoder.encode builds it again for every call, which costs as much as
+    encoding a small request. This one keeps no record of the containers it
+    is in (as check_circular=False), so a cycle ends in RecursionError, which
+    encode() turns into the TypeError that JSONEncoder's ValueError becomes.
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    try:
+        iterate = make(
+            None,
+            _ENCODER.default,
+            json.encoder.encode_basestring_ascii,
+            None,
+            ":",
+            ",",
+            False,
+            False,
+            False,
+        )
+        sample = {"a": [1, 2.5, None, True, "\u00e9\n"], "b": {"c": -3}}
+        if "".join(iterate(sample, 0)) != _ENCODE(sample):
+            return None
+    except Exception:
+        return None
+    return iterate
+
+
+_C_ENCODE = _c_encoder()
 
 
 class JsonCodec:
@@ -34,9 +69,16 @@ class JsonCodec:
         if obj is None:  # what most handlers return
             return b"null"
         try:
-            return _ENCODE(obj).encode()
+            if _C_ENCODE is None or type(obj) is str:
+                return _ENCODE(obj).encode()
+            return "".join(_C_ENCODE(obj, 0)).encode()
         except (TypeError, ValueError) as exc:
             raise TypeError(f"JsonCodec cannot encode {type(obj).__name__}: {exc}") from None
+        except RecursionError:
+            kind = type(obj).__name__
+            raise TypeError(
+                f"JsonCodec cannot encode {kind}: it contains itself or nests too deep"
+            ) from None
 
     def decode(self, data: bytes) -> Any:
         return _DECODE(data.decode())

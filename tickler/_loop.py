@@ -102,7 +102,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 ticket.enqueued_at = now
             if stored is not None:
                 for pending in stored.pending:
-                    pending[0].enqueued_at = now
+                    pending[4].enqueued_at = now
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -226,7 +226,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         assert now is not None
         to_trio = now - wall_clock()
         for entry, (request_id, new) in zip(pending, result.inserted, strict=True):
-            ticket = entry[0]
+            ticket = entry[4]
             ticket.id = request_id
             if new:
                 stored.tickets[request_id] = ticket
@@ -498,6 +498,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         timer = self._timer
         assert timer is not None
         now = self._offset + timer()
+        process = self._process if self._store_run is None else self._process_stored
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
@@ -511,7 +512,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 trio.lowlevel.reschedule(parked.task)
             else:
                 # Processors start in an empty context of their own.
-                _EMPTY_CONTEXT.copy().run(nursery.start_soon, self._process, ticket, slot)
+                _EMPTY_CONTEXT.copy().run(nursery.start_soon, process, ticket, slot)
             if self._debug:
                 logger.debug("replenished: now %d/%d slots in use", self._in_flight, self._capacity)
         if self._debug and (self._queue or (self._heap and self._heap[0][0] <= now)):

@@ -12,6 +12,7 @@ import functools
 import logging
 import re
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._codec import Codec
@@ -19,10 +20,10 @@ from ._exceptions import StoreError
 from ._sqlite import (
     _ANY_LIVE,
     _INSERT,
+    _INSERT_MANY,
     _LIVE_ID_OF_KEY,
     _NEXT_DUE,
     _SETS,
-    SCHEMA_VERSION,
     Batch,
     BatchResult,
     Connection,
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     import psycopg
 
 logger = logging.getLogger("tickler")
+
+# The version of the tables below.
+SCHEMA_VERSION = 1
 
 # A schema's name also names its NOTIFY channel, "tickler_" + schema, which
 # PostgreSQL caps at 63 bytes.
@@ -450,6 +454,12 @@ class PostgresConnection(Connection):
             live, self._live = self._live[1], None
             return _Answer((live,))
         return self.db.execute(_psycopg_style(sql), params)
+
+    def _insert_rows(self, marks: str, params: list[Any]) -> Iterable[int]:
+        """As Connection's, but read back: other sessions draw from the same sequence."""
+        rows = self._x(f"{_INSERT_MANY} {marks} RETURNING id", params).fetchall()
+        # One statement allocates ids in the order of its rows.
+        return sorted(request_id for (request_id,) in rows)
 
     def _write_outcomes(
         self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]], now: float

@@ -112,7 +112,25 @@ class _Processors(_QueueSide[RequestT, ResultT]):
 
     __slots__ = ()
 
-    async def _process(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
+    async def _process_stored(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
+        """A processor with a store: one cancel scope for all its attempts.
+
+        The loop takes a running attempt away (a cancel, a lost lease, a
+        stop) by cancelling this scope, found under the request's id in
+        ``StoreRun.scopes`` while the attempt runs. The processor records the
+        attempt as withdrawn and ends; the loop starts another if work
+        waits. One scope per processor rather than one per attempt keeps the
+        cost of a scope off each request.
+        """
+        with trio.CancelScope() as withdrawable:
+            await self._process(ticket, slot, withdrawable)
+
+    async def _process(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        slot: _Slot,
+        withdrawable: trio.CancelScope | None = None,
+    ) -> None:
         """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
 
         Keeping the slot saves a task spawn per request. With nothing left to
@@ -219,6 +237,15 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 awaitable = _steps_of(awaitable)
                             if timeout is None and stored is None:
                                 result = await awaitable
+                            elif timeout is None:
+                                # The loop may take the attempt away through
+                                # the processor's scope: Cancelled, below.
+                                assert stored is not None
+                                stored.scopes[ticket.id] = withdrawable  # type: ignore[assignment]
+                                try:
+                                    result = await awaitable
+                                finally:
+                                    del stored.scopes[ticket.id]
                             else:
                                 scope = trio.CancelScope(
                                     deadline=now + timeout if timeout is not None else math.inf
@@ -243,6 +270,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                         except Exception as exc:
                             now = offset + timer()
                             self._attempt_failed(ticket, exc, now, context)
+                            if withdrawable is not None and withdrawable.cancel_called:
+                                # Taken away as it failed: the processor ends.
+                                await trio.lowlevel.checkpoint()
                         except BaseException as exc:
                             # Cancelled, KeyboardInterrupt and the like: record the
                             # request's final state and let the exception go on.
@@ -269,6 +299,11 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                     self._wake(state)
                             else:
                                 self._record_success(ticket, result, context)
+                                if withdrawable is not None and withdrawable.cancel_called:
+                                    # Taken away as it returned: the outcome is
+                                    # recorded (the store decides what holds);
+                                    # Cancelled from here ends the processor.
+                                    await trio.lowlevel.checkpoint()
                             result = None
                         # The request is final: keep nothing of it while choosing the
                         # next. (What it left in this task's context is looked at
@@ -495,6 +530,13 @@ class _Processors(_QueueSide[RequestT, ResultT]):
     ) -> None:
         run = self._store_run
         assert run is not None
+        if run.reasons:
+            # Taken away too late: it ended by itself.
+            run.reasons.pop(ticket.id, None)
+        if result is None:
+            # What most handlers return: kept as NULL, read back as None.
+            self._record("succeeded", ticket, (None, wall_clock()), None)
+            return
         try:
             data = run.codec.encode(result)
             if not isinstance(data, bytes):
@@ -517,6 +559,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
     ) -> None:
         run = self._store_run
         assert run is not None
+        if run.reasons and not isinstance(exc, Withdrawn):
+            # Taken away too late: it ended by itself.
+            run.reasons.pop(ticket.id, None)
         if isinstance(exc, Withdrawn):
             if exc.reason == "lost":
                 # Another process holds the request now: wait for its outcome.
@@ -550,7 +595,14 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         now = self._time()
         if now is not None:
             self._ran(ticket, now)
-        if self._store_run is not None:
+        run = self._store_run
+        if run is not None:
+            if run.reasons and _is_cancellation(exc):
+                reason = run.reasons.pop(ticket.id, None)
+                if reason is not None:
+                    # The loop took the attempt away through the processor's scope.
+                    self._record_failure(ticket, Withdrawn(reason), None, _EMPTY_CONTEXT)
+                    return
             # With a store a stop never ends a request: it goes back to the store.
             if not _is_cancellation(exc):
                 self._may_start = self._draining = False

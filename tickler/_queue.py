@@ -351,7 +351,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             ticket.enqueued_at = self._time()
             ticket.id = 0
             self._last_id += 1
-            run.pending.append((ticket, key_text, status.value, data, run_at))
+            run.pending.append((key_text, status.value, data, run_at, ticket))
             if self._thread == _get_ident():
                 self._tickle()
             else:

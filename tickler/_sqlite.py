@@ -6,6 +6,7 @@ one batch per wake-up of its loop, each batch one transaction.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sqlite3
@@ -19,13 +20,20 @@ import attrs
 from ._codec import Codec, JsonCodec, encode_key
 from ._exceptions import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Live states hold their key; ready states may be claimed once run_at has come.
 LIVE = ("queued", "scheduled", "running", "retrying")
 FINAL = ("succeeded", "failed", "cancelled")
 
-_SCHEMA = """
+# Which states a partial index holds, written out as ORs: SQLite builds a
+# temporary table for an IN list of three or more values each time it checks
+# a row against an index's WHERE clause, which every UPDATE of state does.
+# A query uses a partial index when it holds the index's WHERE term as is.
+_READY = "(state = 'queued' OR state = 'scheduled' OR state = 'retrying')"
+_LIVE_STATE = "(state = 'queued' OR state = 'scheduled' OR state = 'running' OR state = 'retrying')"
+
+_SCHEMA = f"""
 CREATE TABLE tickler_schema (version INTEGER NOT NULL);
 CREATE TABLE tickler_requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -47,38 +55,56 @@ CREATE TABLE tickler_requests (
     cancel_requested INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
-    WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
+    WHERE key IS NOT NULL AND {_LIVE_STATE};
 CREATE INDEX tickler_keys ON tickler_requests (queue, key) WHERE key IS NOT NULL;
 CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
-    WHERE state IN ('queued', 'scheduled', 'retrying');
+    WHERE {_READY};
 CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
     WHERE state = 'running';
 CREATE INDEX tickler_finished ON tickler_requests (finished_at)
-    WHERE state IN ('succeeded', 'failed', 'cancelled');
+    WHERE finished_at IS NOT NULL;
 """
 
-_INSERT = """
+# From each older version, the statements that bring a file to the next one.
+_MIGRATIONS = {
+    # A row has finished_at exactly when it is final. Said of finished_at, the
+    # index is left alone by a claim, which sets no finished_at: a fifth less
+    # work per claim, and per outcome.
+    # Partial indexes over states written as ORs (see _READY).
+    1: (
+        "DROP INDEX tickler_finished",
+        "CREATE INDEX tickler_finished ON tickler_requests (finished_at)"
+        " WHERE finished_at IS NOT NULL",
+        "DROP INDEX tickler_ready",
+        f"CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id) WHERE {_READY}",
+        "DROP INDEX tickler_live_keys",
+        "CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)"
+        f" WHERE key IS NOT NULL AND {_LIVE_STATE}",
+    ),
+}
+
+_INSERT = f"""
 INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)
 VALUES (?, ?, ?, ?, ?, ?)
 ON CONFLICT (queue, key)
-    WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying')
+    WHERE key IS NOT NULL AND {_LIVE_STATE}
     DO NOTHING
 RETURNING id
-"""
+"""  # noqa: S608 (constants only)
 
 _INSERT_MANY = (
     "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at) VALUES"
 )
 
-_LIVE_ID_OF_KEY = """
+_LIVE_ID_OF_KEY = f"""
 SELECT id FROM tickler_requests
-WHERE queue = ? AND key = ? AND state IN ('queued', 'scheduled', 'running', 'retrying')
-"""
+WHERE queue = ? AND key = ? AND key IS NOT NULL AND {_LIVE_STATE}
+"""  # noqa: S608 (constants only)
 
 # Ready rows, and rows whose lease expired (their process died), in the
 # order they fell due (run_at): a rescue goes before the backlog queued after
 # it, not behind it.
-_CLAIM = """
+_CLAIM = f"""
 UPDATE tickler_requests
 SET state = 'running', owner = :owner, lease_until = :lease_until,
     attempts = attempts + 1, started_at = :now
@@ -86,8 +112,7 @@ WHERE id IN (
     SELECT id FROM (
         SELECT * FROM (
             SELECT id, run_at AS due FROM tickler_requests
-            WHERE queue = :queue AND state IN ('queued', 'scheduled', 'retrying')
-                AND run_at <= :now
+            WHERE queue = :queue AND {_READY} AND run_at <= :now
             ORDER BY run_at, id LIMIT :limit
         )
         UNION ALL
@@ -101,7 +126,7 @@ WHERE id IN (
     ORDER BY due, id LIMIT :limit
 )
 RETURNING id, request, attempts, key, enqueued_at, run_at
-"""
+"""  # noqa: S608 (constants only)
 
 # A request whose cancel was asked for, and whose owner's lease lapsed (the
 # owner died): it ends CANCELLED, and nobody claims it again. The owner's own
@@ -112,19 +137,19 @@ SET state = 'cancelled', finished_at = ?, owner = NULL, lease_until = NULL
 WHERE queue = ? AND state = 'running' AND lease_until < ? AND owner <> ? AND cancel_requested
 """
 
-_NEXT_DUE = """
+_NEXT_DUE = f"""
 SELECT min(run_at) FROM tickler_requests
-WHERE queue = ? AND state IN ('queued', 'scheduled', 'retrying')
-"""
+WHERE queue = ? AND {_READY}
+"""  # noqa: S608 (constants only)
 
-_ANY_LIVE = """
+_ANY_LIVE = f"""
 SELECT EXISTS (
     SELECT 1 FROM tickler_requests
-    WHERE queue = ? AND state IN ('queued', 'scheduled', 'retrying')
+    WHERE queue = ? AND {_READY}
 ) OR EXISTS (
     SELECT 1 FROM tickler_requests WHERE queue = ? AND state = 'running'
 )
-"""
+"""  # noqa: S608 (constants only)
 
 _MINE = """
 SELECT id, cancel_requested FROM tickler_requests
@@ -174,6 +199,16 @@ _SETS = {
     ),
 }
 _ROWS_PER_STATEMENT = 150
+
+# "succeeded" for requests whose result is None (kept as NULL), given as a
+# JSON list of ids.
+_SUCCEEDED_BARE = """
+UPDATE tickler_requests
+SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END,
+    result = NULL, finished_at = ?, owner = NULL, lease_until = NULL
+WHERE id IN (SELECT value FROM json_each(?)) AND owner = ? AND state = 'running'
+RETURNING id, state
+"""
 
 _ROW = """
 SELECT id, key, state, request, result, error_type, error_message, error_traceback,
@@ -238,8 +273,8 @@ class Claimed:
 class Batch:
     """What one wake-up of a loop writes and asks, in one transaction."""
 
-    inserts: list[tuple[str | None, str, bytes, float]] = attrs.Factory(list)
-    """(key, state, request, run_at) for each request enqueued since the last batch."""
+    inserts: Sequence[tuple[Any, ...]] = ()
+    """For each request enqueued since the last batch: (key, state, request, run_at, ...)."""
     outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
     """(kind, id, values) for each attempt that ended: see Connection.run."""
     claim: int = 0
@@ -444,11 +479,31 @@ class Connection:
                 db.execute("ROLLBACK")
                 raise
         row = db.execute("SELECT version FROM tickler_schema").fetchone()
+        if row is not None and row[0] in _MIGRATIONS:
+            row = Connection._migrate(db)
         if row is None or row[0] != SCHEMA_VERSION:
             raise StoreError(
                 f"{path} has tickler schema version {row and row[0]}; this tickler reads"
                 f" version {SCHEMA_VERSION}"
             )
+
+    @staticmethod
+    def _migrate(db: sqlite3.Connection) -> Any:
+        """Bring an older schema to SCHEMA_VERSION, one version at a time, in one transaction."""
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            # Read again under the write lock: another process may have migrated.
+            (version,) = db.execute("SELECT version FROM tickler_schema").fetchone()
+            while version in _MIGRATIONS:
+                for statement in _MIGRATIONS[version]:
+                    db.execute(statement)
+                version += 1
+            db.execute("UPDATE tickler_schema SET version = ?", (version,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return (version,)
 
     # -- what a dialect provides (PostgresConnection has its own)
 
@@ -542,36 +597,50 @@ class Connection:
         return result
 
     def _insert(
-        self, queue: str, inserts: list[tuple[str | None, str, bytes, float]], now: float
+        self, queue: str, inserts: Sequence[tuple[Any, ...]], now: float
     ) -> list[tuple[int, bool]]:
-        """Insert in order; requests without a key many to a statement."""
+        """Insert in order; requests without a key many to a statement.
+
+        Each entry starts with (key, state, request, run_at).
+        """
         x = self._x
         inserted: list[tuple[int, bool]] = []
-        plain: list[tuple[str | None, str, bytes, float]] = []
+        plain: list[tuple[Any, ...]] = []
 
         def flush() -> None:
             for start in range(0, len(plain), _ROWS_PER_STATEMENT):
                 chunk = plain[start : start + _ROWS_PER_STATEMENT]
-                marks = ",".join(["(?, NULL, ?, ?, ?, ?)"] * len(chunk))
-                params = [
-                    p for _, state, data, run_at in chunk for p in (queue, state, data, run_at, now)
-                ]
                 # Only placeholders are formatted into the statement.
-                sql = f"{_INSERT_MANY} {marks} RETURNING id"
-                ids = x(sql, params).fetchall()
-                # One statement allocates ids in the order of its rows.
-                inserted.extend((request_id, True) for (request_id,) in sorted(ids))
+                marks = ",".join(["(?, NULL, ?, ?, ?, ?)"] * len(chunk))
+                params = [p for e in chunk for p in (queue, e[1], e[2], e[3], now)]
+                inserted.extend(
+                    (request_id, True) for request_id in self._insert_rows(marks, params)
+                )
             plain.clear()
 
         for entry in inserts:
-            key, state, data, run_at = entry
+            key = entry[0]
             if key is None:
                 plain.append(entry)
                 continue
             flush()
-            inserted.append(insert_keyed(x, queue, key, state, data, run_at, now))
+            inserted.append(insert_keyed(x, queue, key, entry[1], entry[2], entry[3], now))
         flush()
         return inserted
+
+    def _insert_rows(self, marks: str, params: list[Any]) -> Iterable[int]:
+        """Insert the rows of ``marks`` in one statement; their ids, in their order.
+
+        SQLite gives the rows of one statement consecutive ids: each is one
+        more than the largest the table ever held (AUTOINCREMENT), and the
+        write lock keeps every other writer out. Reading them from the last
+        id costs less than RETURNING.
+        """
+        cursor = self._x(f"{_INSERT_MANY} {marks}", params)
+        count, last = cursor.rowcount, cursor.lastrowid
+        if count * 5 != len(params):
+            raise StoreError(f"an insert wrote {count} rows of {len(params) // 5}")
+        return range(last - count + 1, last + 1)
 
     def _write_outcomes(
         self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]], now: float
@@ -582,9 +651,18 @@ class Connection:
         """
         x = self._x
         by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
+        # Successes without a result (None is kept as NULL) share every value
+        # but the id: one statement over a list of ids, which costs SQLite
+        # less per row than a join with VALUES.
+        bare: list[int] = []
         for kind, request_id, values in outcomes:
-            by_kind.setdefault(kind, []).append((request_id, values))
+            if kind == "succeeded" and values[0] is None:
+                bare.append(request_id)
+            else:
+                by_kind.setdefault(kind, []).append((request_id, values))
         applied: dict[int, str] = {}
+        if bare:
+            applied.update(x(_SUCCEEDED_BARE, (now, json.dumps(bare), owner)).fetchall())
         for kind, entries in by_kind.items():
             width = 2 + len(entries[0][1])
             sets = _SETS[kind].format(now=f"v.column{width}")
@@ -649,7 +727,7 @@ class Connection:
                 where, args = "key = ?", (encode_key(id_or_key),)
             row = x(
                 f"SELECT id, state FROM tickler_requests WHERE queue = ? AND {where}"  # noqa: S608
-                f" AND state IN ('queued', 'scheduled', 'running', 'retrying'){self.lock_rows}",
+                f" AND {_LIVE_STATE}{self.lock_rows}",
                 (queue, *args),
             ).fetchone()
             if row is None:

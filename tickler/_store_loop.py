@@ -25,8 +25,8 @@ from ._ticket import Status, Ticket
 
 SWEEP_EVERY = 30
 
-# (ticket, key text, state, encoded request, run_at)
-Pending = tuple[Ticket[Any, Any], str | None, str, bytes, float]
+# (key text, state, encoded request, run_at, ticket): a Batch's insert as it is.
+Pending = tuple[str | None, str, bytes, float, Ticket[Any, Any]]
 # (kind, ticket, values for its row, what the ticket gets once written)
 Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
 
@@ -118,7 +118,7 @@ class StoreRun:
         outcomes, self.outcomes = self.outcomes, []
         check = now >= self.next_check
         batch = Batch(
-            inserts=[(key, state, data, run_at) for _, key, state, data, run_at in pending],
+            inserts=pending,
             outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
             claim=claim,
             renew=check,
