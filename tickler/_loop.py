@@ -282,6 +282,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 del stored.tickets[request_id]
                 stored.watched.setdefault(request_id, []).append(elsewhere)
                 stored.next_check = 0.0
+        taken: list[Ticket[Any, Any]] = []
         for claimed in result.claimed:
             stored.local.add(claimed.id)
             known = stored.tickets.get(claimed.id)
@@ -303,15 +304,15 @@ class _Loop(_Processors[RequestT, ResultT]):
             else:
                 known.status = _QUEUED
                 known.attempts = claimed.attempts - 1
-            ticket = known
             if not self._may_start:
                 # Claimed by a batch that was under way when a stop began.
-                self._record("returned", ticket, (wall_clock(),))
+                self._record("returned", known, (wall_clock(),))
                 continue
+            taken.append(known)
+        if taken:
             with self._lock:
-                queue_length = len(self._queue)
-                self._queue.append(ticket)
-                self._peak = max(self._peak, queue_length + 1)
+                self._queue.extend(taken)
+                self._peak = max(self._peak, len(self._queue))
         for row in result.finals:
             for ticket in stored.take_waiters(row.id):
                 self._finish(ticket, *self._decoded(stored, row))

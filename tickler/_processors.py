@@ -298,8 +298,8 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 if type(state) is Waiting:
                                     self._wake(state)
                             else:
-                                self._record_success(ticket, result, context)
-                                if withdrawable is not None and withdrawable.cancel_called:
+                                late = self._record_success(ticket, result, context)
+                                if late and withdrawable is not None and withdrawable.cancel_called:
                                     # Taken away as it returned: the outcome is
                                     # recorded (the store decides what holds);
                                     # Cancelled from here ends the processor.
@@ -527,16 +527,16 @@ class _Processors(_QueueSide[RequestT, ResultT]):
 
     def _record_success(
         self, ticket: Ticket[RequestT, ResultT], result: Any, context: contextvars.Context
-    ) -> None:
+    ) -> bool:
+        """Record the attempt's success; True if the loop had begun to take it away."""
         run = self._store_run
         assert run is not None
-        if run.reasons:
-            # Taken away too late: it ended by itself.
-            run.reasons.pop(ticket.id, None)
+        # Taken away too late: it ended by itself.
+        late = bool(run.reasons) and run.reasons.pop(ticket.id, None) is not None
         if result is None:
             # What most handlers return: kept as NULL, read back as None.
             self._record("succeeded", ticket, (None, wall_clock()), None)
-            return
+            return late
         try:
             data = run.codec.encode(result)
             if not isinstance(data, bytes):
@@ -547,8 +547,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                 f"the codec cannot encode the result, a {type(result).__name__}: {exc}"
             )
             self._record_failure(ticket, error, None, context)
-            return
+            return late
         self._record("succeeded", ticket, (data, wall_clock()), result)
+        return late
 
     def _record_failure(
         self,

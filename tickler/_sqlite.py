@@ -12,8 +12,9 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -200,6 +201,9 @@ _SETS = {
 }
 _ROWS_PER_STATEMENT = 150
 
+# The order of claimed rows: as they fell due, then as they were enqueued.
+_DUE_THEN_ID = itemgetter(5, 0)
+
 # "succeeded" for requests whose result is None (kept as NULL), given as a
 # JSON list of ids.
 _SUCCEEDED_BARE = """
@@ -260,13 +264,15 @@ class Row:
     finished_at: float | None
 
 
-@attrs.define(eq=False)
-class Claimed:
+class Claimed(NamedTuple):
+    """A row a batch claimed, as its claim returns it."""
+
     id: int
     request: bytes
     attempts: int
     key: str | None
     enqueued_at: float
+    due: float  # run_at: claims start in this order
 
 
 @attrs.define(eq=False)
@@ -573,8 +579,8 @@ class Connection:
                         "limit": batch.claim,
                     },
                 ).fetchall()
-                rows.sort(key=lambda row: (row[5], row[0]))
-                result.claimed = [Claimed(*row[:5]) for row in rows]
+                rows.sort(key=_DUE_THEN_ID)
+                result.claimed = list(map(Claimed._make, rows))
             result.next_due = x(_NEXT_DUE, (queue,)).fetchone()[0]
             result.live = int(x(_ANY_LIVE, (queue, queue)).fetchone()[0])
             if batch.watched:
