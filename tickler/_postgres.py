@@ -174,18 +174,29 @@ def _outcome_sql(kind: str) -> str:
     )
 
 
+class _DueAndLive:
+    """_DUE_AND_LIVE's one row, read once, when _NEXT_DUE's or _ANY_LIVE's answer is."""
+
+    def __init__(self, cursor: Any) -> None:
+        self.cursor = cursor
+        self.row: tuple[Any, bool] | None = None
+
+    def get(self, which: int) -> Any:
+        if self.row is None:
+            due, running = self.cursor.fetchone()
+            self.row = (due, due is not None or bool(running))
+        return self.row[which]
+
+
 class _Answer:
-    """A statement's answer, read already or known without a round trip."""
+    """_NEXT_DUE's answer (which=0) or _ANY_LIVE's (which=1), from _DueAndLive."""
 
-    def __init__(self, row: tuple[Any, ...] | None, rows: list[Any] | None = None) -> None:
-        self.row = row
-        self.rows = rows if rows is not None else [row]
+    def __init__(self, both: _DueAndLive, which: int) -> None:
+        self.both = both
+        self.which = which
 
-    def fetchone(self) -> tuple[Any, ...] | None:
-        return self.row
-
-    def fetchall(self) -> list[Any]:
-        return self.rows
+    def fetchone(self) -> tuple[Any]:
+        return (self.both.get(self.which),)
 
 
 class PostgresStore:
@@ -360,10 +371,8 @@ class PostgresConnection(Connection):
     def __init__(self, store: PostgresStore) -> None:
         self.pg_store = store
         self.db = self._open()
-        # (queue, whether anything is live), read with the next due time.
-        self._live: tuple[str, bool] | None = None
-        # The batch's claim: (queue, whether it took all it asked for, its time).
-        self._claimed: tuple[str, bool, float] | None = None
+        # (queue, the answer) of the batch's _NEXT_DUE, which _ANY_LIVE reads too.
+        self._due_and_live: tuple[str, _DueAndLive] | None = None
         self._pipeline: psycopg.Pipeline | None = None
 
     def _open(self) -> psycopg.Connection[Any]:
@@ -424,7 +433,7 @@ class PostgresConnection(Connection):
         which costs a wait for the GIL as well as the network.
         """
         self._reconnect_if_broken()
-        self._claimed = None
+        self._due_and_live = None
         with self.db.pipeline() as pipeline:
             self._pipeline = pipeline
             try:
@@ -433,26 +442,20 @@ class PostgresConnection(Connection):
                 self._pipeline = None
 
     def _x(self, sql: str, params: Any = ()) -> Any:
-        if sql is self.claim_sql:
-            rows = self.db.execute(_psycopg_style(sql), params).fetchall()
-            self._claimed = (params["queue"], len(rows) >= params["limit"], params["now"])
-            return _Answer(None, rows)
         if sql is _NEXT_DUE:
-            # _ANY_LIVE comes next in the batch: one round trip answers both.
+            # _ANY_LIVE comes next in the batch: one statement answers both,
+            # read only when asked, so that it goes out with the claim.
             (queue,) = params
-            claimed = self._claimed
-            if claimed is not None and claimed[0] == queue and claimed[1]:
-                # The claim took as many as it asked for: more may be due
-                # now, and what it took runs. (The loop looks again once it
-                # has room; that batch's claim then tells.)
-                self._live = (queue, True)
-                return _Answer((claimed[2],))
-            due, running = self.db.execute(_DUE_AND_LIVE, {"queue": queue}).fetchone()
-            self._live = (queue, due is not None or running)
-            return _Answer((due,))
-        if sql is _ANY_LIVE and self._live is not None and self._live[0] == params[0]:
-            live, self._live = self._live[1], None
-            return _Answer((live,))
+            self._due_and_live = (
+                queue,
+                _DueAndLive(self.db.execute(_DUE_AND_LIVE, {"queue": queue})),
+            )
+            return _Answer(self._due_and_live[1], 0)
+        if sql is _ANY_LIVE and self._due_and_live is not None:
+            queue, both = self._due_and_live
+            if queue == params[0]:
+                self._due_and_live = None
+                return _Answer(both, 1)
         return self.db.execute(_psycopg_style(sql), params)
 
     def _insert_rows(self, marks: str, params: list[Any]) -> Iterable[int]:
