@@ -7,7 +7,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from contextlib import suppress
 from typing import Any, TypeVar
 
 import trio
@@ -201,18 +200,8 @@ class _Loop(_Processors[RequestT, ResultT]):
 
     async def _listen(self, listening: Any, scope: trio.CancelScope) -> None:
         """Tickle the loop whenever the store says another process enqueued on this queue."""
-        token = trio.lowlevel.current_trio_token()
-
-        def wake() -> None:
-            if not listening.stopped:
-                with suppress(trio.RunFinishedError):
-                    token.run_sync_soon(self._tickle)
-
-        try:
-            with scope:
-                await trio.to_thread.run_sync(listening.run, wake, abandon_on_cancel=True)
-        finally:
-            listening.stop()
+        with scope:
+            await listening.run(self._tickle)
 
     def _apply_batch(
         self,
