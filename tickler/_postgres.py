@@ -387,6 +387,7 @@ class PostgresConnection(Connection):
 
     claim_sql = _CLAIM
     lock_rows = " FOR UPDATE"
+    reads_after_commit = True  # a pipeline's answers stay with their cursors
     # Replicas commit concurrently, so a row can become final with a time
     # earlier than a look that did not see it yet: reach back further (the
     # sweep every 30 looks catches a commit slower than this).

@@ -515,6 +515,9 @@ class Connection:
 
     claim_sql = _CLAIM
     lock_rows = ""  # SQLite locks the whole file for a writer: no row locks to ask for
+    # Whether the claim's answers may be read once the batch has committed:
+    # not in SQLite, which cannot commit while a statement has rows to give.
+    reads_after_commit = False
 
     def _x(self, sql: str, params: Any = ()) -> Any:
         """Execute one statement, written with ? and :name placeholders."""
@@ -581,15 +584,20 @@ class Connection:
                     },
                 )
             # Asked before the claim's rows are read: a server answers the
-            # three in one round trip. (The claim's UPDATE is done by now.)
+            # three, and with reads_after_commit the COMMIT, in one round trip.
             next_due = x(_NEXT_DUE, (queue,))
             live = x(_ANY_LIVE, (queue, queue))
-            if claim is not None:
-                rows = claim.fetchall()
-                rows.sort(key=_DUE_THEN_ID)
-                result.claimed = list(map(Claimed._make, rows))
-            result.next_due = next_due.fetchone()[0]
-            result.live = int(live.fetchone()[0])
+
+            def read() -> None:
+                if claim is not None:
+                    rows = claim.fetchall()
+                    rows.sort(key=_DUE_THEN_ID)
+                    result.claimed = list(map(Claimed._make, rows))
+                result.next_due = next_due.fetchone()[0]
+                result.live = int(live.fetchone()[0])
+
+            if not self.reads_after_commit:
+                read()
             if batch.watched:
                 result.finals = list(self._finals(batch.watched))
                 found = {row.id for row in result.finals}
@@ -604,6 +612,8 @@ class Connection:
                 result.pruned = x(_PRUNE, (cutoff, PRUNE_BATCH)).rowcount
             self._notify_if(batch, queue)
             self._commit()
+            if self.reads_after_commit:
+                read()
         except BaseException:
             self._rollback()
             raise
