@@ -37,7 +37,7 @@ from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
 _T = TypeVar("_T")
 
 # With a store, the most a process claims ahead of its free slots, in capacities.
-_AHEAD = 4
+_AHEAD = 8
 
 
 def _offset_of(clock: trio.abc.Clock) -> float:
@@ -272,27 +272,27 @@ class _Loop(_Processors[RequestT, ResultT]):
                 stored.watched.setdefault(request_id, []).append(elsewhere)
                 stored.next_check = 0.0
         taken: list[Ticket[Any, Any]] = []
-        for claimed in result.claimed:
-            stored.local.add(claimed.id)
-            known = stored.tickets.get(claimed.id)
+        for request_id, data, attempts, _, enqueued, _ in result.claimed:
+            stored.local.add(request_id)
+            known = stored.tickets.get(request_id)
             if known is None:
                 try:
-                    request = stored.codec.decode(claimed.request)
+                    request = stored.codec.decode(data)
                 except Exception as exc:
-                    known = Ticket(None, claimed.id, _RUNNING, claimed.attempts, now, now, _EMPTY)
+                    known = Ticket(None, request_id, _RUNNING, attempts, now, now, _EMPTY)
                     why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
                     self._record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
                     continue
                 # Enqueued in the store's time, by another process: on Trio's clock,
                 # no later than now (for the wait time histogram).
-                enqueued_at = min(now, claimed.enqueued_at + to_trio)
+                enqueued_at = min(now, enqueued + to_trio)
                 known = Ticket(
-                    request, claimed.id, _QUEUED, claimed.attempts - 1, enqueued_at, None, _EMPTY
+                    request, request_id, _QUEUED, attempts - 1, enqueued_at, None, _EMPTY
                 )
-                stored.tickets[claimed.id] = known
+                stored.tickets[request_id] = known
             else:
                 known.status = _QUEUED
-                known.attempts = claimed.attempts - 1
+                known.attempts = attempts - 1
             if not self._may_start:
                 # Claimed by a batch that was under way when a stop began.
                 self._record("returned", known, (wall_clock(),))

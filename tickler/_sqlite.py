@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 
@@ -264,15 +264,9 @@ class Row:
     finished_at: float | None
 
 
-class Claimed(NamedTuple):
-    """A row a batch claimed, as its claim returns it."""
-
-    id: int
-    request: bytes
-    attempts: int
-    key: str | None
-    enqueued_at: float
-    due: float  # run_at: claims start in this order
+# A row a batch claimed, as its claim returns it: (id, request, attempts,
+# key, enqueued_at, run_at), run_at being the order in which claims start.
+Claimed = tuple[int, bytes, int, str | None, float, float]
 
 
 @attrs.define(eq=False)
@@ -592,7 +586,7 @@ class Connection:
                 if claim is not None:
                     rows = claim.fetchall()
                     rows.sort(key=_DUE_THEN_ID)
-                    result.claimed = list(map(Claimed._make, rows))
+                    result.claimed = rows
                 result.next_due = next_due.fetchone()[0]
                 result.live = int(live.fetchone()[0])
 
