@@ -802,3 +802,49 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_requests(tmp_path: Pat
     connection.close()
     with pytest.raises(tickler.StoreError, match="version 3"):
         await tickler.Service(double, store=tickler.SqliteStore(path), name="jobs").run()
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises"])
+async def test_an_attempt_that_ends_by_itself_after_its_cancel_frees_its_slot(
+    tmp_path: Path, ending: str
+) -> None:
+    # The loop takes a running attempt away by cancelling its processor's
+    # scope. A handler that shields itself ends on its own instead: the
+    # request still ends CANCELLED, the processor ends, and its slot serves
+    # the next request.
+    started, gate = trio.Event(), trio.Event()
+
+    async def stubborn(request: int) -> int:
+        if request == 1:
+            started.set()
+            with trio.CancelScope(shield=True):
+                await gate.wait()
+            if ending == "raises":
+                raise ValueError("ended by itself")
+        return request * 10
+
+    store = store_at(tmp_path)
+    async with tickler.open_service(
+        stubborn, store=store, name="jobs", capacity=1, on_error=lambda t, e: None
+    ) as service:
+        first = await service.submit(1)
+        await started.wait()
+        assert await service.cancel(first.id)
+        await until_withdrawn(service)
+        gate.set()
+        with pytest.raises(tickler.RequestCancelled):
+            await first.wait()
+        with trio.fail_after(10):
+            assert await (await service.submit(2)).wait() == 20
+        assert service.statistics().in_flight == 0
+        assert service._store_run is not None
+        assert service._store_run.reasons == {}
+        assert service._store_run.scopes == {}
+    assert rows(store.path) == [(1, "cancelled", 1), (2, "succeeded", 1)]
+
+
+async def until_withdrawn(service: Any) -> None:
+    """Until the cancel has reached the running attempt (its processor's scope is cancelled)."""
+    with trio.fail_after(10):
+        while not service._store_run.reasons:
+            await trio.sleep(0.01)
