@@ -459,3 +459,24 @@ async def test_lookup_of_a_finished_request_by_key_reads_an_index(
         assert "Seq Scan" not in plan, plan
     finally:
         connection.close()
+
+
+async def test_connections_keep_tcp_alive_unless_the_dsn_says_otherwise(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """A server host that vanishes must not leave a batch or the listener waiting for ever."""
+    import psycopg.conninfo
+
+    for dsn, idle in [
+        (postgres_dsn, "10"),
+        (psycopg.conninfo.make_conninfo(postgres_dsn, keepalives_idle=77), "77"),
+    ]:
+        async with tickler.open_service(
+            double, store=store(dsn, postgres_schema), name="jobs"
+        ) as service:
+            assert service._store_run is not None
+            connection = service._store_run.connection
+            assert connection is not None
+            said = connection.db.info.get_parameters()
+            assert (said.get("keepalives"), said.get("keepalives_idle")) == ("1", idle)
+            assert await (await service.submit(1)).wait() == 2

@@ -175,6 +175,29 @@ def _outcome_sql(kind: str) -> str:
     )
 
 
+# A server host that vanishes without closing its connections (no FIN, no
+# RST) would leave a read waiting for ever: TCP keepalives find it within
+# about 25 seconds, and the batch is retried. A DSN's own settings win.
+_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+
+
+def _open_connection(dsn: str) -> psycopg.Connection[Any]:
+    """A connection in autocommit, with TCP keepalives unless the DSN sets its own."""
+    import psycopg
+    import psycopg.conninfo
+
+    given = psycopg.conninfo.conninfo_to_dict(dsn)
+    keepalives: dict[str, Any] = {
+        key: value for key, value in _KEEPALIVES.items() if key not in given
+    }
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=10, **keepalives)
+
+
 class _DueAndLive:
     """_DUE_AND_LIVE's one row, read once, when _NEXT_DUE's or _ANY_LIVE's answer is."""
 
@@ -327,7 +350,7 @@ class Listener:
         import psycopg.sql
 
         listen = psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(self.store.channel))
-        db = psycopg.connect(self.store.dsn, autocommit=True, connect_timeout=10)
+        db = _open_connection(self.store.dsn)
         try:
             db.execute(listen)
         except BaseException:
@@ -410,7 +433,7 @@ class PostgresConnection(Connection):
 
         store = self.pg_store
         try:
-            db = psycopg.connect(store.dsn, autocommit=True, connect_timeout=10)
+            db = _open_connection(store.dsn)
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from None
         try:
