@@ -241,7 +241,8 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 # The loop may take the attempt away through
                                 # the processor's scope: Cancelled, below.
                                 assert stored is not None
-                                stored.scopes[ticket.id] = withdrawable  # type: ignore[assignment]
+                                assert withdrawable is not None
+                                stored.scopes[ticket.id] = withdrawable
                                 try:
                                     result = await awaitable
                                 finally:
