@@ -34,6 +34,21 @@ FINAL = ("succeeded", "failed", "cancelled")
 _READY = "(state = 'queued' OR state = 'scheduled' OR state = 'retrying')"
 _LIVE_STATE = "(state = 'queued' OR state = 'scheduled' OR state = 'running' OR state = 'retrying')"
 
+# The indexes version 2 changed, by name: the schema creates them, and the
+# migration from version 1 drops and creates them again.
+_INDEXES_OF_V2 = {
+    "tickler_live_keys": "CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)"
+    f" WHERE key IS NOT NULL AND {_LIVE_STATE}",
+    "tickler_ready": "CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)"
+    f" WHERE {_READY}",
+    # A row has finished_at exactly when it is final. Said of finished_at,
+    # the index is left alone by a claim, which sets no finished_at.
+    "tickler_finished": "CREATE INDEX tickler_finished ON tickler_requests (finished_at)"
+    " WHERE finished_at IS NOT NULL",
+}
+
+_V2_INDEXES = ";\n".join(_INDEXES_OF_V2.values())
+
 _SCHEMA = f"""
 CREATE TABLE tickler_schema (version INTEGER NOT NULL);
 CREATE TABLE tickler_requests (
@@ -55,32 +70,18 @@ CREATE TABLE tickler_requests (
     lease_until REAL,
     cancel_requested INTEGER NOT NULL DEFAULT 0
 );
-CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
-    WHERE key IS NOT NULL AND {_LIVE_STATE};
 CREATE INDEX tickler_keys ON tickler_requests (queue, key) WHERE key IS NOT NULL;
-CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
-    WHERE {_READY};
 CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
     WHERE state = 'running';
-CREATE INDEX tickler_finished ON tickler_requests (finished_at)
-    WHERE finished_at IS NOT NULL;
+{_V2_INDEXES};
 """
 
 # From each older version, the statements that bring a file to the next one.
 _MIGRATIONS = {
-    # A row has finished_at exactly when it is final. Said of finished_at, the
-    # index is left alone by a claim, which sets no finished_at: a fifth less
-    # work per claim, and per outcome.
-    # Partial indexes over states written as ORs (see _READY).
-    1: (
-        "DROP INDEX tickler_finished",
-        "CREATE INDEX tickler_finished ON tickler_requests (finished_at)"
-        " WHERE finished_at IS NOT NULL",
-        "DROP INDEX tickler_ready",
-        f"CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id) WHERE {_READY}",
-        "DROP INDEX tickler_live_keys",
-        "CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)"
-        f" WHERE key IS NOT NULL AND {_LIVE_STATE}",
+    1: tuple(
+        statement
+        for name, create in _INDEXES_OF_V2.items()
+        for statement in (f"DROP INDEX {name}", create)
     ),
 }
 
