@@ -511,7 +511,7 @@ class PostgresConnection(Connection):
                 return _Answer(both, 1)
         return self.db.execute(_psycopg_style(sql), params)
 
-    def _insert_rows(self, marks: str, params: list[Any]) -> Iterable[int]:
+    def _insert_rows(self, marks: str, params: list[Any], expected: int) -> Iterable[int]:
         """As Connection's, but read back: other sessions draw from the same sequence."""
         rows = self._x(f"{_INSERT_MANY} {marks} RETURNING id", params).fetchall()
         # One statement allocates ids in the order of its rows.

@@ -631,9 +631,8 @@ class Connection:
                 # Only placeholders are formatted into the statement.
                 marks = ",".join(["(?, NULL, ?, ?, ?, ?)"] * len(chunk))
                 params = [p for e in chunk for p in (queue, e[1], e[2], e[3], now)]
-                inserted.extend(
-                    (request_id, True) for request_id in self._insert_rows(marks, params)
-                )
+                ids = self._insert_rows(marks, params, len(chunk))
+                inserted.extend((request_id, True) for request_id in ids)
             plain.clear()
 
         for entry in inserts:
@@ -646,7 +645,7 @@ class Connection:
         flush()
         return inserted
 
-    def _insert_rows(self, marks: str, params: list[Any]) -> Iterable[int]:
+    def _insert_rows(self, marks: str, params: list[Any], expected: int) -> Iterable[int]:
         """Insert the rows of ``marks`` in one statement; their ids, in their order.
 
         SQLite gives the rows of one statement consecutive ids: each is one
@@ -656,8 +655,8 @@ class Connection:
         """
         cursor = self._x(f"{_INSERT_MANY} {marks}", params)
         count, last = cursor.rowcount, cursor.lastrowid
-        if count * 5 != len(params):
-            raise StoreError(f"an insert wrote {count} rows of {len(params) // 5}")
+        if count != expected:
+            raise StoreError(f"an insert wrote {count} rows of {expected}")
         return range(last - count + 1, last + 1)
 
     def _write_outcomes(
