@@ -480,3 +480,77 @@ async def test_connections_keep_tcp_alive_unless_the_dsn_says_otherwise(
             said = connection.db.info.get_parameters()
             assert (said.get("keepalives"), said.get("keepalives_idle")) == ("1", idle)
             assert await (await service.submit(1)).wait() == 2
+
+
+def test_a_batch_soon_after_another_takes_the_servers_time_without_asking(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The time a batch read from the server carries it for a second: no round trip first.
+
+    The estimate is never ahead of the server's clock, so a request is never
+    claimed before it is due; a stale reading or a failed batch asks again.
+    """
+    from tickler._postgres import _ServerClock
+    from tickler._sqlite import Batch
+
+    queue = store(postgres_dsn, postgres_schema)
+    connection = queue.connect()
+    asked: list[str] = []
+    execute = psycopg.Connection.execute
+
+    def spy(db: Any, sql: Any, params: Any = None, **kw: Any) -> Any:
+        text = str(sql)
+        if db is connection.db and "clock_timestamp()" in text and "tickler_requests" not in text:
+            asked.append("clock")
+        return execute(db, sql, params, **kw)
+
+    def server_now() -> float:
+        with psycopg.connect(postgres_dsn) as other:
+            row = other.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+            assert row is not None
+            return float(row[0])
+
+    def batch() -> Any:
+        return connection.run("jobs", "me", 30.0, 86400.0, Batch(claim=5))
+
+    monkeypatch.setattr(psycopg.Connection, "execute", spy)
+    try:
+        first = batch()
+        assert asked == ["clock"]  # nothing read yet: it asks
+        for _ in range(20):
+            before = server_now()
+            result = batch()
+            after = server_now()
+            assert before - 0.1 < result.now <= after
+        assert asked == ["clock"]  # each batch's own reading carried the next
+        assert result.now > first.now
+
+        # A request due a moment from now is not claimed by an estimate.
+        with psycopg.connect(postgres_dsn) as caller:
+            due_at = server_now() + 0.3
+            caller.execute(
+                f'INSERT INTO "{postgres_schema}".tickler_requests'  # noqa: S608
+                " (queue, state, request, run_at, enqueued_at)"
+                " VALUES ('jobs', 'scheduled', '1', %s, %s)",
+                (due_at, due_at),
+            )
+        while not (result := batch()).claimed:
+            assert result.now < due_at
+        assert result.now >= due_at
+
+        fresh = _ServerClock.FRESH
+        monkeypatch.setattr(_ServerClock, "FRESH", 0.0)  # every reading is stale
+        batch()
+        assert asked == ["clock", "clock"]
+        monkeypatch.setattr(_ServerClock, "FRESH", fresh)
+
+        batch()
+        assert asked == ["clock", "clock"]
+        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (connection.db.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError):
+            batch()
+        batch()  # on a new session
+        assert asked == ["clock", "clock", "clock"]  # the failure forgot the reading
+    finally:
+        connection.close()
