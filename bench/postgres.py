@@ -80,7 +80,11 @@ class PgConfig:
     # same `drain` requests queued.
     counted: int = 5_000  # procrastinate
     counted_default: int = 20_000  # pgqueuer at its default batch size
-    latency: int = 200
+    # Latency: `latency` requests per block, `blocks` blocks per system, the
+    # systems taking turns block by block, so that a slow spell of the
+    # machine falls on each of them alike.
+    latency: int = 100
+    blocks: int = 5
     gap: float = 0.05
     settle: float = 1.0
     submits: int = 2_000
@@ -99,6 +103,7 @@ QUICK = PgConfig(
     counted=100,
     counted_default=200,
     latency=10,
+    blocks=2,
     gap=0.02,
     settle=0.5,
     submits=100,
@@ -587,9 +592,14 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
                 partial(drain, bench_dsn, "procrastinate", config, config.counted),
             )
             sample(("pg_proc",), rate)
-        for system in systems:
-            found = attempt(f"latency, {system}", partial(latency, bench_dsn, system, config))
-            latencies[system] += found or []
+        for block in range(config.blocks):
+            turn = systems[block % len(systems) :] + systems[: block % len(systems)]
+            for system in turn:
+                found = attempt(
+                    f"latency, {system}, block {block + 1}/{config.blocks}",
+                    partial(latency, bench_dsn, system, config),
+                )
+                latencies[system] += found or []
         for system in systems:
             rates = attempt(f"enqueue, {system}", partial(enqueue_rates, bench_dsn, system, config))
             for kind, value in (rates or {}).items():
@@ -618,8 +628,10 @@ def notes(config: PgConfig) -> list[str]:
     lines = [
         f"PostgreSQL: drain {config.drain:,} no-op requests inserted first, concurrency"
         f" {config.concurrency}, from the go to the last completion each store records;"
-        f" latency over {config.latency * config.rounds:,} requests, one at a time on an idle"
-        f" worker; medians of {config.rounds} round{'s' if config.rounds != 1 else ''}."
+        f" latency over {config.latency * config.blocks * config.rounds:,} requests per system,"
+        f" one at a time on an idle worker, in blocks of {config.latency} that take turns"
+        f" between the systems; medians of {config.rounds}"
+        f" round{'s' if config.rounds != 1 else ''}."
         f" {config.machine}.",
     ]
     if config.skipped:
