@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -129,7 +128,7 @@ RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at
 # states may be planned as a sequential scan, which reads every finished
 # row ahead of the first ready one.
 _DUE_AND_LIVE = """
-SELECT extract(epoch FROM clock_timestamp())::float8, (
+SELECT (
     SELECT run_at FROM tickler_requests
     WHERE queue = %(queue)s AND state IN ('queued', 'scheduled', 'retrying')
     ORDER BY run_at LIMIT 1
@@ -202,47 +201,15 @@ def _open_connection(dsn: str) -> psycopg.Connection[Any]:
 class _DueAndLive:
     """_DUE_AND_LIVE's one row, read once, when _NEXT_DUE's or _ANY_LIVE's answer is."""
 
-    def __init__(self, cursor: Any, clock: _ServerClock) -> None:
+    def __init__(self, cursor: Any) -> None:
         self.cursor = cursor
-        self.clock = clock
         self.row: tuple[Any, bool] | None = None
 
     def get(self, which: int) -> Any:
         if self.row is None:
-            now, due, running = self.cursor.fetchone()
-            self.clock.read(now)
+            due, running = self.cursor.fetchone()
             self.row = (due, due is not None or bool(running))
         return self.row[which]
-
-
-class _ServerClock:
-    """The server's clock, read by each batch and carried forward on the monotonic clock.
-
-    A batch that follows another within FRESH seconds takes its time from
-    here instead of asking the server first: one round trip less between a
-    NOTIFY and its claim. The estimate is never ahead of the server's clock
-    (the server read it before the answer arrived), so a delayed request is
-    never claimed early; it trails by the time the answer took to be read.
-    """
-
-    FRESH = 1.0
-
-    def __init__(self) -> None:
-        self.anchor: tuple[float, float] | None = None  # (server time, monotonic) of a read
-
-    def read(self, server_now: float) -> None:
-        self.anchor = (server_now, time.monotonic())
-
-    def forget(self) -> None:
-        self.anchor = None
-
-    def estimate(self) -> float | None:
-        """The server's time now, or None if the last read is not fresh."""
-        if self.anchor is None:
-            return None
-        server_now, then = self.anchor
-        elapsed = time.monotonic() - then
-        return server_now + elapsed if elapsed < self.FRESH else None
 
 
 class _Answer:
@@ -451,11 +418,7 @@ class PostgresConnection(Connection):
 
     def _now(self) -> float:
         # The server's clock: one clock for every replica's leases and times.
-        estimate = self._clock.estimate()
-        if estimate is not None:
-            return estimate
         row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
-        self._clock.read(row[0])
         return float(row[0])
 
     def __init__(self, store: PostgresStore) -> None:
@@ -464,7 +427,6 @@ class PostgresConnection(Connection):
         # (queue, the answer) of the batch's _NEXT_DUE, which _ANY_LIVE reads too.
         self._due_and_live: tuple[str, _DueAndLive] | None = None
         self._pipeline: psycopg.Pipeline | None = None
-        self._clock = _ServerClock()
 
     def _open(self) -> psycopg.Connection[Any]:
         import psycopg
@@ -529,9 +491,6 @@ class PostgresConnection(Connection):
             self._pipeline = pipeline
             try:
                 return super().run(queue, owner, lease, retention, batch)
-            except BaseException:
-                self._clock.forget()  # the next batch asks the server again
-                raise
             finally:
                 self._pipeline = None
 
@@ -542,7 +501,7 @@ class PostgresConnection(Connection):
             (queue,) = params
             self._due_and_live = (
                 queue,
-                _DueAndLive(self.db.execute(_DUE_AND_LIVE, {"queue": queue}), self._clock),
+                _DueAndLive(self.db.execute(_DUE_AND_LIVE, {"queue": queue})),
             )
             return _Answer(self._due_and_live[1], 0)
         if sql is _ANY_LIVE and self._due_and_live is not None:
@@ -623,7 +582,6 @@ class PostgresConnection(Connection):
 
     def _reconnect_if_broken(self) -> None:
         if self.db.closed or self.db.broken:
-            self._clock.forget()
             self.db = self._open()
             logger.warning(
                 "%r: connected to PostgreSQL again, the last session having been lost",
