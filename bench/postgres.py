@@ -298,32 +298,44 @@ def drain(dsn: str, system: str, config: PgConfig, counted: int, **options: obje
 # -- latency ------------------------------------------------------------------------
 
 
-def latency(dsn: str, system: str, config: PgConfig) -> list[float]:
-    """Milliseconds from the stamp before each enqueue call to its handler's start."""
+def latency(dsn: str, enqueuer: str, config: PgConfig) -> list[float]:
+    """Milliseconds from the stamp before each enqueue call to its handler's start.
+
+    ``enqueuer`` is a system, or ``tickler_tx``: tickler's worker, enqueued to
+    in a transaction of the caller's instead of by one autocommitted
+    statement.
+    """
+    system = "tickler" if enqueuer == "tickler_tx" else enqueuer
     reset_schema(dsn, system)
     worker = Worker(system, "latency", worker_config(dsn, system, config))
     try:
         assert worker.read().get("ready")
         if system == "tickler":
-            return _latency_tickler(dsn, worker, config)
+            return _latency_tickler(dsn, worker, config, enqueuer == "tickler_tx")
         return asyncio.run(_latency_asyncio(dsn, system, worker, config))
     finally:
         worker.close()
 
 
-def _latency_tickler(dsn: str, worker: Worker, config: PgConfig) -> list[float]:
+def _latency_tickler(
+    dsn: str, worker: Worker, config: PgConfig, in_transaction: bool
+) -> list[float]:
+    """enqueue_in alone on an autocommit connection (as pgqueuer's enqueue), or in BEGIN/COMMIT."""
     import psycopg
 
     import tickler
 
     store = tickler.PostgresStore(dsn, schema=SCHEMAS["tickler"])
     samples: list[float] = []
-    with psycopg.connect(dsn) as db:
+    with psycopg.connect(dsn, autocommit=not in_transaction) as db:
         for _ in range(config.latency):
             time.sleep(config.gap)
             stamp = time.time_ns()
-            with db.transaction():  # COMMIT ends the block: the NOTIFY goes out then
-                store.enqueue_in(db, QUEUE, stamp)
+            if in_transaction:
+                with db.transaction():  # COMMIT ends the block: the NOTIFY goes out then
+                    store.enqueue_in(db, QUEUE, stamp)
+            else:
+                store.enqueue_in(db, QUEUE, stamp)  # commits, and notifies, at once
             samples.append(worker.read()["latency_ns"] / 1e6)
     return samples
 
@@ -449,8 +461,9 @@ def rows(config: PgConfig) -> list[Row]:
             )
             for p in ("p50", "p99")
             for system, variant in (
-                ("tickler", "tickler, enqueue_in + COMMIT in another process"),
-                ("pgq", "pgqueuer, Queries.enqueue in another process"),
+                ("tickler", "tickler, enqueue_in (autocommit) in another process"),
+                ("tickler_tx", "tickler, BEGIN + enqueue_in + COMMIT in another process"),
+                ("pgq", "pgqueuer, Queries.enqueue (autocommit) in another process"),
                 ("proc", "procrastinate, defer_async in another process"),
             )
         ),
@@ -570,7 +583,8 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
             for key in keys:
                 table[key].samples.append(value)
 
-    latencies: dict[str, list[float]] = {system: [] for system in systems}
+    enqueuers = ["tickler", "tickler_tx", *systems[1:]]
+    latencies: dict[str, list[float]] = {enqueuer: [] for enqueuer in enqueuers}
     for round_no in range(config.rounds):
         step = f"  round {round_no + 1}/{config.rounds}: postgres"
         rate = attempt("drain, tickler", partial(drain, bench_dsn, "tickler", config, config.drain))
@@ -593,19 +607,19 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
             )
             sample(("pg_proc",), rate)
         for block in range(config.blocks):
-            turn = systems[block % len(systems) :] + systems[: block % len(systems)]
-            for system in turn:
+            turn = enqueuers[block % len(enqueuers) :] + enqueuers[: block % len(enqueuers)]
+            for enqueuer in turn:
                 found = attempt(
-                    f"latency, {system}, block {block + 1}/{config.blocks}",
-                    partial(latency, bench_dsn, system, config),
+                    f"latency, {enqueuer}, block {block + 1}/{config.blocks}",
+                    partial(latency, bench_dsn, enqueuer, config),
                 )
-                latencies[system] += found or []
+                latencies[enqueuer] += found or []
         for system in systems:
             rates = attempt(f"enqueue, {system}", partial(enqueue_rates, bench_dsn, system, config))
             for kind, value in (rates or {}).items():
                 sample((f"pg_{kind}{SUFFIXES[system]}",), value)
-    for system, samples in latencies.items():
-        name = SUFFIXES[system] or "_tickler"
+    for enqueuer, samples in latencies.items():
+        name = "_tickler_tx" if enqueuer == "tickler_tx" else SUFFIXES[enqueuer] or "_tickler"
         if len(samples) >= 2:
             sample((f"pg_p50{name}",), statistics.median(samples))
             sample((f"pg_p99{name}",), _percentile(samples, 99))

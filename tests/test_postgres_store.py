@@ -480,3 +480,39 @@ async def test_connections_keep_tcp_alive_unless_the_dsn_says_otherwise(
             said = connection.db.info.get_parameters()
             assert (said.get("keepalives"), said.get("keepalives_idle")) == ("1", idle)
             assert await (await service.submit(1)).wait() == 2
+
+
+async def test_enqueue_in_on_an_autocommit_connection_commits_at_once(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """No transaction of the caller's: each request is committed, and notified, by its statement."""
+    queue = store(postgres_dsn, postgres_schema, poll_interval=30.0)
+    started = trio.Event()
+    release = trio.Event()
+
+    async def held(request: int) -> int:
+        started.set()
+        await release.wait()
+        return request * 2
+
+    async with tickler.open_service(held, store=queue, name="jobs") as service:
+        await trio.sleep(0.3)  # the service's first look is behind it
+        with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+            first = queue.enqueue_in(connection, "jobs", 21, key="k")
+            with trio.fail_after(5):  # its NOTIFY went out: no poll for 30 s
+                await started.wait()
+            again = queue.enqueue_in(connection, "jobs", 99, key="k")
+            with psycopg.connect(postgres_dsn) as other:  # committed: seen elsewhere
+                row = other.execute(
+                    f'SELECT state FROM "{postgres_schema}".tickler_requests'  # noqa: S608
+                    " WHERE id = %s",
+                    (first,),
+                ).fetchone()
+            assert connection.info.transaction_status is psycopg.pq.TransactionStatus.IDLE
+        assert again == first  # the key was live
+        assert row == ("running",)
+        release.set()
+        with trio.fail_after(10):
+            while (found := await service.lookup(first)) is None or not found.done:
+                await trio.sleep(0.02)
+        assert found.result() == 42

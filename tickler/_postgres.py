@@ -283,8 +283,9 @@ class PostgresStore:
     ) -> int:
         """Write a request through the caller's psycopg connection, in its open transaction.
 
-        The request exists if and only if the caller commits. Returns its id,
-        or the live request's id if ``key`` is live.
+        The request exists if and only if the caller commits; on a
+        connection in autocommit mode, it is committed at once. Returns its
+        id, or the live request's id if ``key`` is live.
         """
         import psycopg
         import psycopg.rows
