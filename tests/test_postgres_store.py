@@ -516,3 +516,59 @@ async def test_enqueue_in_on_an_autocommit_connection_commits_at_once(
             while (found := await service.lookup(first)) is None or not found.done:
                 await trio.sleep(0.02)
         assert found.result() == 42
+
+
+@pytest.mark.parametrize("skew", [5.0, -5.0])
+async def test_a_replica_whose_clock_is_off_goes_by_the_servers_clock(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """This process's clock is ``skew`` seconds off the server's.
+
+    A request enqueued here, by the service or by enqueue_in, is due by the
+    server's clock: ahead, nothing waits (or spins) for the server to catch
+    up; behind, no delay ends early.
+    """
+    import time
+
+    from tickler._store_loop import StoreRun
+
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew)
+    batches = 0
+    run_batch = StoreRun.run_batch
+
+    async def counted(self: StoreRun, *args: Any) -> Any:
+        nonlocal batches
+        batches += 1
+        return await run_batch(self, *args)
+
+    monkeypatch.setattr(StoreRun, "run_batch", counted)
+    starts: dict[int, float] = {}
+
+    async def note(request: int) -> int:
+        starts[request] = trio.current_time()
+        return request
+
+    queue = store(postgres_dsn, postgres_schema, poll_interval=30.0)
+    async with tickler.open_service(note, store=queue, name="jobs") as service:
+        await trio.sleep(0.3)  # the service's first look is behind it
+        before = batches
+        enqueued = trio.current_time()
+        with trio.fail_after(2):
+            assert await (await service.submit(1)).wait() == 1
+        assert starts[1] - enqueued < 1.0
+        assert batches - before <= 4  # its insert and claim, its outcome
+
+        enqueued = trio.current_time()
+        delayed = service.enqueue_request(2, delay=1.0)
+        with trio.fail_after(4):
+            assert await delayed.wait() == 2
+        assert 1.0 <= starts[2] - enqueued < 2.0
+
+        with psycopg.connect(postgres_dsn, autocommit=True) as caller:
+            enqueued = trio.current_time()
+            request_id = queue.enqueue_in(caller, "jobs", 3, delay=1.0)
+        with trio.fail_after(4):
+            while (found := await service.lookup(request_id)) is None or not found.done:
+                await trio.sleep(0.02)
+        assert 1.0 <= starts[3] - enqueued < 2.0

@@ -185,14 +185,15 @@ class _Loop(_Processors[RequestT, ResultT]):
                 if self._idle_event is not None and (looked or self._is_idle()):
                     self._idle_event.set()
                     self._idle_event = None
-                # The store's times are the wall clock's; sleep on Trio's.
+                # next_check is this process's wall clock, next_due the
+                # store's (see BatchResult.shift); sleep on Trio's.
                 now = self._time()
                 assert now is not None
                 to_trio = now - wall_clock()
                 wake_at = min(self._stop_deadline, stored.next_check + to_trio)
                 room = self._capacity - self._in_flight - len(queue)
                 if stored.next_due is not None and room > 0 and self._may_start:
-                    wake_at = min(wake_at, stored.next_due + to_trio)
+                    wake_at = min(wake_at, stored.next_due - stored.shift + to_trio)
                 await self._sleep(receive, wake_at)
         except BaseException:
             self._may_start = self._draining = False
@@ -316,6 +317,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._finish(ticket, _FAILED, (now, lost, None, None))
 
         stored.next_due = result.next_due
+        stored.shift = result.shift
         stored.live = result.live
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -298,8 +299,13 @@ class PostgresStore:
         with connection.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
 
             def x(sql: str, params: Any) -> Any:
-                if sql == _INSERT and self.notify:
-                    params = (*params, self.channel, queue)  # pg_notify's
+                if sql == _INSERT:
+                    # The server's clock, not this process's: only the delay
+                    # goes as a value (see _enqueue_statements).
+                    *values, run_at, now = params
+                    params = (*values, run_at - now)
+                    if self.notify:
+                        params = (*params, self.channel, queue)  # pg_notify's
                 return cursor.execute(statements[sql], params)
 
             return enqueue_through(x, self._codecs, queue, request, key, delay)
@@ -309,10 +315,17 @@ class PostgresStore:
 
         The insert sends the NOTIFY itself when it inserts a row: one round
         trip a request, and the notification goes out at the caller's commit.
+        Its times are the server's, as the claim's are, so that a caller's
+        clock cannot hold a request back or start it early: the row is
+        enqueued at the statement's time, and due ``delay`` later.
         """
         if self._enqueue_sql is None:
             qualified = f'"{self.schema}".tickler_requests'
+            at = "extract(epoch FROM statement_timestamp())::float8"
+            values = "VALUES (%s, %s, %s, %s, %s, %s)"
             insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
+            assert values in insert
+            insert = insert.replace(values, f"VALUES (%s, %s, %s, %s, {at} + %s, {at})")
             if self.notify:
                 # The channel and queue are parameters' values, never SQL:
                 # only the placeholders for them are added here.
@@ -418,9 +431,18 @@ class PostgresConnection(Connection):
     finals_overlap = 10.0
 
     def _now(self) -> float:
-        # The server's clock: one clock for every replica's leases and times.
+        """The server's clock: one clock for every replica's leases and times.
+
+        Also sets the shift from this process's clock to the server's. It is
+        measured from this process's time before the question, so it is
+        never less than the true one: a request enqueued here before the
+        batch is due in the batch's claim, and a delay never ends early.
+        """
+        asked_at = time.time()
         row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
-        return float(row[0])
+        now = float(row[0])
+        self._shift = now - asked_at
+        return now
 
     def __init__(self, store: PostgresStore) -> None:
         self.pg_store = store

@@ -303,12 +303,23 @@ class BatchResult:
     pruned: int = 0
     now: float = 0.0
     """The transaction's time."""
+    shift: float = 0.0
+    """The store's clock minus this process's (time.time()), never less: see Connection._now."""
     missing: list[int] = attrs.Factory(list)
     """Watched ids with no row at all: deleted by a retention before they were read."""
     recent: list[int] = attrs.Factory(list)
     """With finished_since: the ids that became final since then."""
     live: int = 0
     """1 if any request of the queue is queued, scheduled, running or retrying, in any process."""
+
+
+def _shifted(
+    outcome: tuple[str, int, tuple[Any, ...]], shift: float
+) -> tuple[str, int, tuple[Any, ...]]:
+    """An outcome whose time (finished_at, or run_at) is moved by ``shift``."""
+    kind, request_id, values = outcome
+    at = 1 if kind == "succeeded" else 0  # (result, finished_at); the others start with it
+    return kind, request_id, (*values[:at], values[at] + shift, *values[at + 1 :])
 
 
 class SqliteStore:
@@ -522,8 +533,13 @@ class Connection:
     # SQLite's writers commit one at a time, in the order of their times.
     finals_overlap = 1.0
 
+    # The store's clock minus this process's, as _now last found it. The
+    # loop's times (an enqueue's run_at, an outcome's) are this process's
+    # time.time(): a batch moves them onto the store's clock by adding this.
+    _shift = 0.0
+
     def _now(self) -> float:
-        """The batch's time, taken once the write lock is held."""
+        """The batch's time, taken once the write lock is held: this process's clock."""
         return time.time()
 
     def _begin(self) -> None:
@@ -559,8 +575,13 @@ class Connection:
         self._begin()
         try:
             now = result.now = self._now()
-            result.inserted = self._insert(queue, batch.inserts, now)
-            result.applied = self._write_outcomes(owner, batch.outcomes, now)
+            inserts, outcomes = batch.inserts, batch.outcomes
+            shift = result.shift = self._shift
+            if shift:
+                inserts = [(e[0], e[1], e[2], e[3] + shift, *e[4:]) for e in inserts]
+                outcomes = [_shifted(outcome, shift) for outcome in outcomes]
+            result.inserted = self._insert(queue, inserts, now)
+            result.applied = self._write_outcomes(owner, outcomes, now)
             if batch.renew:
                 x(_RENEW, (now + lease, queue, owner))
                 result.mine = {row[0]: bool(row[1]) for row in x(_MINE, (queue, owner))}

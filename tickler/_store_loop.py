@@ -86,6 +86,7 @@ class StoreRun:
     committed: trio.Event = attrs.Factory(trio.Event)
     next_check: float = 0.0
     next_due: float | None = None
+    shift: float = 0.0  # the store's clock minus this process's, as of the last batch
     live: int = 0
     failures: int = 0  # in a row, for the backoff
     errors: int = 0  # in all, for statistics()
