@@ -464,3 +464,31 @@ async def test_a_rescued_request_goes_before_the_backlog_queued_after_it(tmp_pat
     async with tickler.open_service(handler, store=store, name="jobs", capacity=1) as service:
         await service.join()
     assert order == ["rescued", "later 0", "later 1", "later 2"]
+
+
+async def test_requests_the_final_flush_cannot_commit_fail_and_say_why(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Regression: accepted requests that no batch could commit by the end of the run kept
+    QUEUED tickets, as if they were in the store, and their waiters waited for ever."""
+    store = store_at(tmp_path)
+    async with trio.open_nursery() as nursery:
+        service = tickler.Service(echo, store=store, name="jobs")
+        await nursery.start(service.run)
+        assert await (await service.submit(0)).wait() == 0
+        stored = service._store_run
+        assert stored is not None
+        assert stored.connection is not None
+        db = stored.connection.db
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        tickets = [service.enqueue_request(i) for i in range(1, 300)]
+        await service.stop(timeout=1.0)  # the disk stays full
+    for ticket in tickets:
+        assert ticket.status is tickler.Status.FAILED
+        with pytest.raises(tickler.StoreError, match="could not be committed to the store"):
+            await ticket.wait()
+    with pytest.raises(tickler.StoreError, match="database or disk is full"):
+        tickets[0].result()
+    stats = service.statistics()
+    assert (stats.enqueued, stats.succeeded, stats.failed) == (300, 1, 299)
+    assert len(rows(store.path)) == 1

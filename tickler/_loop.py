@@ -28,7 +28,7 @@ from ._core import (
 from ._core import (
     _EMPTY_CONTEXT as _EMPTY,
 )
-from ._exceptions import ServiceClosed
+from ._exceptions import ServiceClosed, StoreError
 from ._processors import _ATTEMPTS, _Processors, _Slot
 from ._sqlite import Batch, BatchResult, Row
 from ._store_loop import Outcome, Pending, RequestFailed, StoreRun, wall_clock
@@ -384,10 +384,11 @@ class _Loop(_Processors[RequestT, ResultT]):
                 raise
             stored.failures += 1
             stored.errors += 1
+            stored.last_error = _one_line(exc)
             logger.error(
                 "service %r: writing to the store failed (%s); %d failure(s) in a row",
                 self.name,
-                _one_line(exc),
+                stored.last_error,
                 stored.failures,
             )
             return None
@@ -413,6 +414,16 @@ class _Loop(_Processors[RequestT, ResultT]):
                     self.name,
                     len(stored.pending),
                 )
+                # They exist nowhere else: their tickets fail, and say why.
+                with self._lock:
+                    lost, stored.pending = stored.pending, []
+                now = self._time()
+                for entry in lost:
+                    error = StoreError(
+                        f"service {self.name!r}: the request could not be committed to the"
+                        f" store before the run ended ({stored.last_error})"
+                    )
+                    self._fail(entry[4], error, None, now)
             stored.committed.set()
             connection, stored.connection = stored.connection, None
             if connection is not None:

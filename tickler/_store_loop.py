@@ -90,6 +90,7 @@ class StoreRun:
     live: int = 0
     failures: int = 0  # in a row, for the backoff
     errors: int = 0  # in all, for statistics()
+    last_error: str = ""  # the last failed batch's error, in one line
     # A batch is in flight: what it took from pending is not in the store yet.
     committing: bool = False
 
