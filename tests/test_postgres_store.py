@@ -526,7 +526,7 @@ async def test_a_replica_whose_clock_is_off_goes_by_the_servers_clock(
 
     A request enqueued here, by the service or by enqueue_in, is due by the
     server's clock: ahead, nothing waits (or spins) for the server to catch
-    up; behind, no delay ends early.
+    up; behind, no delay ends early. A cancel's time is the server's too.
     """
     import time
 
@@ -544,9 +544,13 @@ async def test_a_replica_whose_clock_is_off_goes_by_the_servers_clock(
 
     monkeypatch.setattr(StoreRun, "run_batch", counted)
     starts: dict[int, float] = {}
+    waited: dict[int, float] = {}
 
     async def note(request: int) -> int:
         starts[request] = trio.current_time()
+        enqueued_at = tickler.current_ticket().enqueued_at
+        assert enqueued_at is not None
+        waited[request] = starts[request] - enqueued_at
         return request
 
     queue = store(postgres_dsn, postgres_schema, poll_interval=30.0)
@@ -572,3 +576,19 @@ async def test_a_replica_whose_clock_is_off_goes_by_the_servers_clock(
             while (found := await service.lookup(request_id)) is None or not found.done:
                 await trio.sleep(0.02)
         assert 1.0 <= starts[3] - enqueued < 2.0
+        assert 1.0 <= waited[3] < 2.0  # its enqueue time, read from the row, is Trio's now
+
+        # A cancel from here ends the row at the server's time too.
+        parked = await service.submit(4, delay=60.0)
+        assert parked.id is not None
+        assert await service.cancel(parked.id)
+        with trio.fail_after(3), pytest.raises(tickler.RequestCancelled):
+            await parked.wait()
+        with psycopg.connect(postgres_dsn) as caller:
+            row = caller.execute(
+                "SELECT extract(epoch FROM clock_timestamp())::float8,"  # noqa: S608
+                f' finished_at FROM "{postgres_schema}".tickler_requests WHERE id = %s',
+                (parked.id,),
+            ).fetchone()
+        assert row is not None
+        assert abs(row[0] - row[1]) < 1.0

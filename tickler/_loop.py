@@ -286,7 +286,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                     continue
                 # Enqueued in the store's time, by another process: on Trio's clock,
                 # no later than now (for the wait time histogram).
-                enqueued_at = min(now, enqueued + to_trio)
+                enqueued_at = min(now, enqueued - result.shift + to_trio)
                 known = Ticket(
                     request, request_id, _QUEUED, attempts - 1, enqueued_at, None, _EMPTY
                 )

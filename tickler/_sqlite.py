@@ -777,7 +777,7 @@ class Connection:
             else:
                 x(
                     "UPDATE tickler_requests SET state = 'cancelled', finished_at = ? WHERE id = ?",
-                    (time.time(), request_id),
+                    (self._now(), request_id),
                 )
             self._commit()
         except BaseException:
