@@ -111,3 +111,31 @@ def encode_key(key: object) -> str:
 
     check(key, True)
     return json.dumps(key, separators=(",", ":"))
+
+
+# A queue name and a key share one entry of the index of live keys
+# (queue, key), and PostgreSQL refuses an index entry over about 2,700 bytes:
+# each is bounded so that both together always fit, in every store alike.
+MAX_QUEUE_BYTES = 1000
+MAX_KEY_BYTES = 1000
+
+
+def check_queue_name(name: str, what: str) -> None:
+    """Refuse a queue name a store cannot keep; ``what`` names the parameter.
+
+    Raises:
+        ValueError: it holds a NUL or a lone surrogate, or is over MAX_QUEUE_BYTES.
+    """
+    if "\x00" in name:
+        raise ValueError(f"{what} must not contain NUL characters: it names the store's queue")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{what} must be valid Unicode text (no lone surrogates): it names the store's queue"
+        ) from None
+    if size > MAX_QUEUE_BYTES:
+        raise ValueError(
+            f"{what} must be at most {MAX_QUEUE_BYTES} bytes in UTF-8 with a store,"
+            f" not {size}: it names the store's queue"
+        )
