@@ -1,15 +1,21 @@
 """python -m tickler inspect URL: each queue's counts by status and latest failures.
 
 URL is sqlite:///relative.db, sqlite:////absolute.db, or a postgresql:// DSN
-(with --schema, "tickler" by default).
+(with --schema, "tickler" by default). A password in the URL is never printed:
+every message shows it as ***.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import re
 import sqlite3
 import sys
-from collections.abc import Sequence
+import traceback
+import urllib.parse
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,58 @@ from ._sqlite import _MIGRATIONS, FINAL, LIVE, SCHEMA_VERSION
 
 _PREFIX = "sqlite:///"
 _LATEST_FAILURES = 5
+_MASK = "***"
+
+# A URL's user:password@, up to the last @ before a /: libpq and urllib split a
+# password that holds @ differently, and both readings must be hidden.
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'\"]*:)[^\s/'\"]*@")
+# password=... in a key=value connection string or a URL's query: quoted, or a
+# word; in a message, a word ends at a quote too.
+_KEYWORD_PASSWORD = re.compile(r"\bpassword\s*=\s*('(?:[^'\\]|\\.)*'?|\S*)", re.IGNORECASE)
+_MESSAGE_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s'\"]*)", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"[?&]password=([^&#\s]*)", re.IGNORECASE)
+
+
+def _passwords(source: str) -> set[str]:
+    """The passwords ``source`` may hold, as written and decoded, and their parts.
+
+    ``source`` is a URL or a key=value connection string as the user typed it,
+    well formed or not: libpq quotes a malformed one, or a piece of it, in its errors.
+    """
+    found: set[str] = set()
+    for match in re.finditer(r"://(\S*)", source):
+        rest = match.group(1)
+        libpq = re.match(r"[^@/]*(?=@)", rest)  # libpq: user info ends at the first @ or /
+        readings = [
+            libpq.group() if libpq else "",
+            re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[0],  # urllib
+            re.split(r"[?#]", rest, maxsplit=1)[0].rpartition("@")[0],  # a / in the password
+        ]
+        for userinfo in readings:
+            if ":" in userinfo:
+                password = userinfo.partition(":")[2]
+                found.add(password)
+                found.update(re.split(r"[@/?#]", password))
+        found.update(_QUERY_PASSWORD.findall(rest))
+    for match in _KEYWORD_PASSWORD.finditer(source):
+        value = match.group(1)
+        if value.startswith("'"):
+            value = value[1:-1] if len(value) > 1 and value.endswith("'") else value[1:]
+        found.update((match.group(1), value, re.sub(r"\\(.)", r"\1", value)))
+    found.update([urllib.parse.unquote(password) for password in found])
+    found.discard("")
+    return found
+
+
+def redact(text: str, sources: Iterable[str] = ()) -> str:
+    """``text`` with the passwords of ``sources``, and those of URLs in it, as ***."""
+    secrets: set[str] = set()
+    for source in sources:
+        secrets |= _passwords(source)
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, _MASK)
+    text = _URL_PASSWORD.sub(rf"\1{_MASK}@", text)
+    return _MESSAGE_PASSWORD.sub(rf"\1{_MASK}", text)
 
 
 _COUNTS = "SELECT queue, state, count(*) FROM tickler_requests GROUP BY queue, state"
@@ -55,8 +113,9 @@ def inspect_postgres(dsn: str, schema: str) -> str:
 
     try:
         db = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
-    except psycopg.Error as exc:
-        raise ValueError(f"cannot connect: {exc}".strip()) from None
+    except (psycopg.Error, ValueError) as exc:
+        # libpq quotes a malformed DSN, or a piece of it, in its message.
+        raise ValueError(f"cannot connect: {redact(str(exc), [dsn])}".strip()) from None
     try:
         db.execute("SET default_transaction_read_only = on")
         db.execute(psycopg.sql.SQL("SET search_path TO {}").format(psycopg.sql.Identifier(schema)))
@@ -93,17 +152,28 @@ def inspect_sqlite(path: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; whatever it prints shows the passwords of ``argv`` as ***."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tickler")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="print a store's queues, counts and failures")
     inspect.add_argument("url", help="sqlite:///path/to/file.db or a postgresql:// DSN")
     inspect.add_argument("--schema", default="tickler", help="with PostgreSQL (default tickler)")
-    args = parser.parse_args(argv)
+    # argparse's errors quote what they reject, a URL given without "inspect" say.
+    errors = io.StringIO()
     try:
-        print(inspect_url(args.url, args.schema))
+        with contextlib.redirect_stderr(errors):
+            args = parser.parse_args(argv)
+    finally:
+        sys.stderr.write(redact(errors.getvalue(), argv))
+    try:
+        print(redact(inspect_url(args.url, args.schema), argv))
     except ValueError as exc:
-        print(f"python -m tickler: {exc}", file=sys.stderr)
+        print(redact(f"python -m tickler: {exc}", argv), file=sys.stderr)
         return 2
+    except Exception:
+        sys.stderr.write(redact(traceback.format_exc(), argv))
+        return 1
     return 0
 
 
@@ -112,7 +182,7 @@ def inspect_url(url: str, schema: str) -> str:
         return inspect_postgres(url, schema)
     if url.startswith(_PREFIX):
         return inspect_sqlite(Path(url[len(_PREFIX) :]))
-    raise ValueError(f"{url!r} is neither a sqlite:/// URL nor a postgresql:// DSN")
+    raise ValueError(f"{redact(url, [url])!r} is neither a sqlite:/// URL nor a postgresql:// DSN")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""python -m tickler inspect never prints a password, whatever the URL."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tickler.__main__ import inspect_postgres, main, redact
+
+SECRET = "SECRET"  # noqa: S105 - the word the output must never hold
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses connections: bound, never listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def inspect(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # noqa: S603 - our own interpreter running our own module
+        [sys.executable, "-m", "tickler", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+def test_unknown_scheme_hides_the_password() -> None:
+    result = inspect("inspect", f"postgres+psycopg://u:{SECRET}@h/db")
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "python -m tickler: 'postgres+psycopg://u:***@h/db'"
+        " is neither a sqlite:/// URL nor a postgresql:// DSN\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"postgresql://u:{SECRET}@127.0.0.1:{{port}}/db",
+        f"postgres://u:{SECRET}@127.0.0.1:{{port}}/db",
+        f"postgresql://u@127.0.0.1:{{port}}/db?password={SECRET}",
+        f"postgresql://u:pa%20{SECRET}@127.0.0.1:{{port}}/db",
+    ],
+)
+def test_refused_connection_hides_the_password(url: str, closed_port: int) -> None:
+    result = inspect("inspect", url.format(port=closed_port))
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("python -m tickler: cannot connect: ")
+    assert "127.0.0.1" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "dsn", [f"host=127.0.0.1 port={{port}} password={SECRET}", f"password='{SECRET} x' host=h"]
+)
+def test_key_value_dsn_hides_the_password(dsn: str, closed_port: int) -> None:
+    result = inspect("inspect", dsn.format(port=closed_port))
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert result.stderr.startswith("python -m tickler: '")
+    assert "password=***" in result.stderr
+    assert "is neither a sqlite:/// URL nor a postgresql:// DSN" in result.stderr
+
+
+def test_usage_errors_hide_the_password() -> None:
+    """argparse quotes a URL given without the command; the password is hidden there too."""
+    result = inspect(f"postgresql://u:{SECRET}@h/db")
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert "invalid choice: 'postgresql://u:***@h/db'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("dsn", "shown"),
+    [
+        # libpq quotes the whole URI, or the piece it cannot decode.
+        (f"postgresql://u:{SECRET}@[127.0.0.1:{{port}}/db", "postgresql://u:***@[127.0.0.1"),
+        (f"postgresql://u:{SECRET}%zz@127.0.0.1:{{port}}/db", 'percent-encoded token: "***"'),
+        (f"postgresql://u:{SECRET}%00@127.0.0.1:{{port}}/db", 'percent-encoded value: "***"'),
+        # An unencoded @ ends libpq's password early: the rest becomes the host.
+        (f"postgresql://u:pw@{SECRET}@127.0.0.1:{{port}}/db", "'***@127.0.0.1'"),
+        (f"postgresql://u:{SECRET}/x@127.0.0.1:{{port}}/db", "cannot connect: "),
+        (f"host=127.0.0.1 port={{port}} password={SECRET}", "Connection refused"),
+        (f"host=127.0.0.1 port={{port}} password={SECRET} junk", 'missing "=" after "junk"'),
+        (f"host=127.0.0.1 port={{port}} password='{SECRET}", "unterminated quoted string"),
+    ],
+)
+def test_psycopg_errors_hide_the_password(dsn: str, shown: str, closed_port: int) -> None:
+    with pytest.raises(ValueError, match=r"^cannot connect: ") as caught:
+        inspect_postgres(dsn.format(port=closed_port), "tickler")
+    assert SECRET not in str(caught.value)
+    assert shown in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        ("postgresql://u:pw@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u@h:5432/db?user=me@x", "postgresql://u@h:5432/db?user=me@x"),
+        ("see redis://:pw@h:6379/0 and x", "see redis://:***@h:6379/0 and x"),
+        ("host=h password=pw dbname=d", "host=h password=*** dbname=d"),
+        ("host=h password='p w' dbname=d", "host=h password=*** dbname=d"),
+        ("'host=h PASSWORD=pw'", "'host=h PASSWORD=***'"),
+        (
+            "postgresql://h/db?sslmode=require&password=pw",
+            "postgresql://h/db?sslmode=require&password=***",
+        ),
+        ("no password here", "no password here"),
+    ],
+)
+def test_redact_finds_passwords_in_text(text: str, redacted: str) -> None:
+    assert redact(text) == redacted
+
+
+def test_redact_hides_every_reading_of_the_source() -> None:
+    """A password from the source is hidden wherever it shows, encoded or decoded."""
+    source = "postgresql://u:p%40ss@h/db"
+    assert redact("role p@ss, token p%40ss", [source]) == "role ***, token ***"
+
+
+def test_sqlite_errors_still_name_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.db"
+    assert main(["inspect", f"sqlite:///{missing}"]) == 2
+    assert capsys.readouterr().err == f"python -m tickler: {missing}: no such file\n"
