@@ -64,7 +64,7 @@ async def test_demo_runs_the_dance(
 ) -> None:
     """The demo drains everything it sends and shows the limit being reached."""
     caplog.set_level("DEBUG", logger="tickler")
-    stats = await demo.main(capacity=3, requests=10, burst=8, seed=3)
+    stats = (await demo.main(capacity=3, requests=10, burst=8, seed=3)).statistics
     assert (stats.enqueued, stats.succeeded) == (18, 18)
     assert stats.peak_queued >= 5
     messages = [r.getMessage() for r in caplog.records if r.name == "tickler"]
