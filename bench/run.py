@@ -430,7 +430,7 @@ def _machine() -> str:
     return (
         f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, trio {version('trio')}, "
-        f"tickler {version('tickler')}"
+        f"trio-tickler {version('trio-tickler')}"
         + (f", aiojobs {version('aiojobs')}" if aiojobs is not None else "")
     )
 

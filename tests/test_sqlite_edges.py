@@ -73,7 +73,8 @@ async def test_a_ticket_follows_its_request_run_by_another_service(tmp_path: Pat
             while a.statistics().in_flight < 1:
                 await trio.sleep(0.01)
         ticket = await a.submit("hello")
-        async with tickler.open_service(shout, store=store, name="jobs") as b:
+        # Another store object on the file: another replica, as another process is.
+        async with tickler.open_service(shout, store=store_at(tmp_path), name="jobs") as b:
             with trio.fail_after(5):
                 assert await ticket.wait() == "HELLO"
             assert b.statistics().succeeded == 1

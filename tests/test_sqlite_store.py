@@ -343,7 +343,10 @@ async def test_a_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None
     store = store_at(tmp_path, lease=0.2)
     async with (
         tickler.open_service(handler_for("a"), store=store, name="jobs") as a,
-        tickler.open_service(handler_for("b"), store=store, name="jobs") as b,
+        # Another store object on the file: another replica, as another process is.
+        tickler.open_service(
+            handler_for("b"), store=store_at(tmp_path, lease=0.2), name="jobs"
+        ) as b,
     ):
         ticket = await a.submit("long")
         assert await ticket.wait() == "long"
@@ -620,7 +623,8 @@ async def test_a_request_claimed_ahead_and_cancelled_elsewhere_never_starts(
         await nursery.start(service.run)
         tickets = [service.enqueue_request(i) for i in range(3)]
         await _until_claimed_ahead(service)
-        async with tickler.open_service(double, store=store, name="jobs") as other:
+        # Another store object on the file: another replica, as another process is.
+        async with tickler.open_service(double, store=store_at(tmp_path), name="jobs") as other:
             assert await other.cancel(tickets[2].id)
         # The holder sees the cancel at its next look, before any slot frees.
         with pytest.raises(tickler.RequestCancelled):

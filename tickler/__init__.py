@@ -46,4 +46,4 @@ __all__ = [
     "open_service",
 ]
 
-__version__ = _version("tickler")
+__version__ = _version("trio-tickler")

@@ -14,6 +14,8 @@ class QueueFull(TicklerError):
 class ServiceClosed(TicklerError):
     """The service no longer accepts requests: a stop has begun or the run has ended."""
 
+    _service: object = None  # the service that refused, when its queue did
+
 
 class RequestCancelled(TicklerError):
     """The request was cancelled before it could complete."""

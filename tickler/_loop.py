@@ -30,6 +30,7 @@ from ._core import (
 )
 from ._exceptions import ServiceClosed, StoreError
 from ._processors import _ATTEMPTS, _Processors, _Slot
+from ._queue import _check_key
 from ._sqlite import Batch, BatchResult, Row
 from ._store_loop import Outcome, Pending, RequestFailed, StoreRun, wall_clock
 from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
@@ -148,7 +149,9 @@ class _Loop(_Processors[RequestT, ResultT]):
                 ahead = min(2 * len(stored.outcomes), _AHEAD * self._capacity)
                 free = self._capacity + ahead - self._in_flight - len(queue)
                 claim = free if self._may_start and not self._stop_called and free > 0 else 0
-                batch, pending, outcomes = stored.build(self._lock, claim, wall_clock())
+                # Looks are scheduled on Trio's clock, never the wall clock:
+                # a step of the wall clock must not stall the loop.
+                batch, pending, outcomes = stored.build(self._lock, claim, self._time())
                 looked = False
                 if batch.inserts or batch.outcomes or batch.claim or batch.renew:
                     result = await self._try_batch(stored, batch, pending, outcomes)
@@ -167,7 +170,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                         assert stored.connection is not None
                         overlap = stored.connection.finals_overlap
                         stored.finals_since = result.now - overlap
-                        stored.checks += 1
+                        stored.checks = stored.looks_begun  # one batch in flight at a time
                         looked = True
                     self._apply_batch(stored, result, pending, outcomes)
                 self._dispatch()
@@ -185,14 +188,15 @@ class _Loop(_Processors[RequestT, ResultT]):
                 if self._idle_event is not None and (looked or self._is_idle()):
                     self._idle_event.set()
                     self._idle_event = None
-                # next_check is this process's wall clock, next_due the
-                # store's (see BatchResult.shift); sleep on Trio's.
-                now = self._time()
-                assert now is not None
-                to_trio = now - wall_clock()
-                wake_at = min(self._stop_deadline, stored.next_check + to_trio)
+                # next_check is on Trio's clock; next_due on the store's (see
+                # BatchResult.shift), taken to Trio's through this instant's
+                # wall clock, so that a step of the wall clock moves both ends.
+                wake_at = min(self._stop_deadline, stored.next_check)
                 room = self._capacity - self._in_flight - len(queue)
                 if stored.next_due is not None and room > 0 and self._may_start:
+                    now = self._time()
+                    assert now is not None
+                    to_trio = now - wall_clock()
                     wake_at = min(wake_at, stored.next_due - stored.shift + to_trio)
                 await self._sleep(receive, wake_at)
         except BaseException:
@@ -221,10 +225,13 @@ class _Loop(_Processors[RequestT, ResultT]):
             if new:
                 stored.tickets[request_id] = ticket
             else:
-                # The key was live: this ticket follows that request.
+                # The key was live: this ticket follows that request. It was
+                # counted as enqueued when accepted; it is a deduplicated call.
                 self._deduplicated += 1
+                self._last_id -= 1
                 stored.watched.setdefault(request_id, []).append(ticket)
         if pending:
+            stored.settled += len(pending)
             stored.committed.set()
             stored.committed = trio.Event()
             if self._submitters:
@@ -271,7 +278,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             if elsewhere is not None and request_id not in stored.local and not elsewhere.done:
                 del stored.tickets[request_id]
                 stored.watched.setdefault(request_id, []).append(elsewhere)
-                stored.next_check = 0.0
+                stored.next_check = -math.inf
         taken: list[Ticket[Any, Any]] = []
         for request_id, data, attempts, _, enqueued, _ in result.claimed:
             stored.local.add(request_id)
@@ -399,7 +406,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         """Commit what was accepted and write what ended, shielded; then close the store."""
         with trio.CancelScope(shield=True):
             for attempt in range(20):
-                batch, pending, outcomes = stored.build(self._lock, 0, wall_clock())
+                batch, pending, outcomes = stored.build(self._lock, 0, self._time())
                 batch.renew, batch.watched, batch.prune = False, (), False
                 if not batch.inserts and not batch.outcomes:
                     break
@@ -417,6 +424,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 # They exist nowhere else: their tickets fail, and say why.
                 with self._lock:
                     lost, stored.pending = stored.pending, []
+                    stored.settled += len(lost)
                 now = self._time()
                 for entry in lost:
                     error = StoreError(
@@ -501,7 +509,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         timer = self._timer
         assert timer is not None
         now = self._offset + timer()
-        process = self._process if self._store_run is None else self._process_stored
+        process = self._process_withdrawable
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
@@ -608,17 +616,33 @@ class _Loop(_Processors[RequestT, ResultT]):
         return not self._queue and not self._heap and not self._incoming and self._in_flight == 0
 
     async def cancel(self, id_or_key: int | Hashable) -> bool:
-        """Cancel a live request of a service with a store, wherever it runs.
+        """Cancel a live request, by its id (an int) or its key.
 
-        A queued, scheduled or retrying request becomes CANCELLED at once; a
-        running one has its handler cancelled in the process that runs it
-        (within the store's ``poll_interval``), ends CANCELLED and is never
-        retried.
+        A queued, scheduled or retrying request becomes CANCELLED at once.
+        A running one has its handler cancelled: in memory at once, with a
+        store in the process that runs it (within the store's
+        ``poll_interval``). It is never retried. Requests this service
+        accepted before the call are seen by it, as program order says.
+
+        In memory, an attempt cancelled while running ends CANCELLED when
+        the cancellation reaches it (at its next checkpoint); one that
+        returns without reaching a checkpoint ends as it returned, and one
+        that raises something else ends FAILED, not retried. With a store,
+        a request whose cancel was asked for ends CANCELLED whatever its
+        attempt does.
 
         Returns:
             Whether a live request with that id or key was found.
+
+        Raises:
+            TypeError: a key that is not hashable (with a store: not a str or
+                a tuple of strs and ints).
+            RuntimeError: called from a different Trio run than the service's.
         """
+        if self._store_run is None:
+            return await self._cancel_in_memory(id_or_key)
         stored = self._require_store("cancel")
+        await self._settle_accepted(stored)
         found, request_id = await self._in_store(stored.connection_for("cancel").cancel, id_or_key)
         if found:
             assert request_id is not None
@@ -631,9 +655,105 @@ class _Loop(_Processors[RequestT, ResultT]):
                     self._queue.remove(ticket)
             for ticket in claimed:
                 self._drop_claimed(stored, ticket)
-            stored.next_check = 0.0
+            stored.next_check = -math.inf
             self._tickle()
         return found
+
+    async def _cancel_in_memory(self, id_or_key: int | Hashable) -> bool:
+        by_id = isinstance(id_or_key, int) and not isinstance(id_or_key, bool)
+        if not by_id:
+            _check_key(id_or_key)
+        self._check_run("used")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._cancel_found(id_or_key, by_id):
+                found = True
+                break
+            # Not waiting, not running: final, unknown, or taken by a
+            # processor that has yet to start it (it starts at its next step).
+            if not self._taken_unstarted():
+                found = False
+                break
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return found
+
+    def _taken_unstarted(self) -> int:
+        """How many requests processors have taken and not started yet (in memory)."""
+        running = sum(
+            1
+            for attempt in _ATTEMPTS.values()
+            if attempt.service is self
+            and attempt.ticket is not None
+            and attempt.ticket.status is _RUNNING
+        )
+        return self._in_flight - running
+
+    @trio.lowlevel.enable_ki_protection
+    def _cancel_found(self, id_or_key: object, by_id: bool) -> bool | None:
+        """Cancel the live request if found waiting or running (True); else None."""
+        now = self._time()
+        ticket: Ticket[RequestT, ResultT] | None = None
+        removed: Ticket[RequestT, ResultT] | None = None
+        with self._lock:
+            if by_id:
+                for candidate in self._queue:
+                    if candidate.id == id_or_key:
+                        ticket = candidate
+                        break
+            else:
+                ticket = self._keys.get(id_or_key)
+            if ticket is not None and ticket.status is _QUEUED:
+                try:
+                    self._queue.remove(ticket)
+                except ValueError:
+                    return None  # taken by a processor, about to start
+                removed = ticket
+            else:
+                for index, (_, entry) in enumerate(self._incoming):
+                    if entry is ticket or (by_id and ticket is None and entry.id == id_or_key):
+                        del self._incoming[index]
+                        self._scheduled -= 1
+                        self._set_admit()
+                        removed = entry
+                        break
+        if removed is not None:
+            self._finish_cancelled(removed, now)
+            return True
+        for index, (_, _, entry) in enumerate(self._heap):
+            if entry is ticket or (by_id and ticket is None and entry.id == id_or_key):
+                self._heap[index] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                if entry.status is _SCHEDULED:
+                    self._unschedule()
+                else:
+                    self._retrying -= 1
+                self._finish_cancelled(entry, now)
+                return True
+        for attempt in list(_ATTEMPTS.values()):
+            running = attempt.ticket
+            if (
+                attempt.service is self
+                and running is not None
+                and running.status is _RUNNING
+                and (running is ticket or (by_id and ticket is None and running.id == id_or_key))
+            ):
+                if attempt.withdrawn is not running:
+                    attempt.withdrawn = running
+                    assert attempt.scope is not None
+                    attempt.scope.cancel()
+                return True
+        # Final, unknown, or taken by a processor that has yet to start it.
+        return None
+
+    def _finish_cancelled(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
+        """A waiting request ends CANCELLED by cancel()."""
+        self._cancelled += 1
+        self._finish(ticket, _CANCELLED, (now, None))
+        if self._submitters:
+            self._room.unpark()
+        self._tickle()
 
     async def lookup(self, id_or_key: int | Hashable) -> Ticket[Any, Any] | None:
         """The request's state as the store has it, from any process; None if unknown.
@@ -644,21 +764,42 @@ class _Loop(_Processors[RequestT, ResultT]):
         latest one.
         """
         stored = self._require_store("lookup")
+        await self._settle_accepted(stored)
         row = await self._in_store(stored.connection_for("lookup").lookup, id_or_key)
         if row is None:
             return None
         status = Status(row.state)
         request = stored.codec.decode(row.request)
         ticket: Ticket[Any, Any] = Ticket(
-            request, row.id, status, row.attempts, row.enqueued_at, row.started_at, None
+            request, row.id, status, row.attempts, row.enqueued_at, row.started_at, _EMPTY
         )
         if status in FINAL:
             ticket._state = stored.decode_row(row)[1]
+        elif not self._finished.is_set():
+            # The ticket follows the row to its final state, wherever it
+            # runs: this process's looks at the store finish it (the next
+            # look, within poll_interval, or at once if it runs here).
+            stored.watched.setdefault(row.id, []).append(ticket)
         return ticket
+
+    async def _settle_accepted(self, stored: StoreRun) -> None:
+        """Wait until every request this service accepted so far is in the store.
+
+        What the caller enqueued before a cancel or a lookup must be seen by
+        it, as program order says, even though enqueues commit in batches.
+        """
+        with self._lock:
+            wanted = stored.accepted
+        if stored.settled >= wanted:
+            return
+        self._tickle()
+        while stored.settled < wanted and not self._finished.is_set():
+            await stored.committed.wait()
 
     async def store_statistics(self) -> dict[str, int]:
         """Exact counts of this service's queue in the store, by status, over every process."""
         stored = self._require_store("store_statistics")
+        await self._settle_accepted(stored)
         return await self._in_store(stored.connection_for("store_statistics").statistics)
 
     def _require_store(self, what: str) -> StoreRun:
@@ -694,10 +835,12 @@ class _Loop(_Processors[RequestT, ResultT]):
         if stored is not None and token is not None:
             # What the last look at the store saw may be stale: take a fresh
             # one first, and trust only looks taken after the call.
-            start = stored.checks
-            stored.next_check = 0.0
+            # (A look already under way may have begun before a commit
+            # this caller made: wait for one begun after the call.)
+            wanted = stored.looks_begun + 1
+            stored.next_check = -math.inf
             self._tickle()
-            while stored.checks == start and not self._finished.is_set():
+            while stored.checks < wanted and not self._finished.is_set():
                 await self._idle_event_or_new().wait()
         while not (self._is_idle() or self._finished.is_set()):
             self._bind()

@@ -22,8 +22,10 @@ from ._core import (
     _EMPTY_CONTEXT,
     _FAILED,
     _MISSING,
+    _QUEUED,
     _RETRYING,
     _RUNNING,
+    _SCHEDULED,
     _SUCCEEDED,
     _Context,
     _format_exception,
@@ -31,6 +33,7 @@ from ._core import (
     _run_in,
     logger,
 )
+from ._exceptions import ServiceClosed
 from ._queue import _QueueSide
 from ._statistics import TIME_BUCKETS
 from ._store_loop import Withdrawn, wall_clock
@@ -112,25 +115,55 @@ class _Processors(_QueueSide[RequestT, ResultT]):
 
     __slots__ = ()
 
-    async def _process_stored(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
-        """A processor with a store: one cancel scope for all its attempts.
+    async def _process_withdrawable(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
+        """A processor with one cancel scope for all its attempts.
 
-        The loop takes a running attempt away (a cancel, a lost lease, a
-        stop) by cancelling this scope, found under the request's id in
-        ``StoreRun.scopes`` while the attempt runs. The processor records the
-        attempt as withdrawn and ends; the loop starts another if work
-        waits. One scope per processor rather than one per attempt keeps the
-        cost of a scope off each request.
+        A running attempt is taken away by cancelling this scope: by
+        ``cancel()``, which finds it through the processor's ``_Attempt``;
+        and with a store by the loop (a cancel from any process, a lost
+        lease, a stop), which finds it under the request's id in
+        ``StoreRun.scopes``. The processor records the attempt and ends; the
+        loop starts another if work waits. One scope per processor rather
+        than one per attempt keeps the cost of a scope off each request
+        (the burst rows).
         """
+        # Handed over in a list that _process empties: this frame, which lives
+        # as long as the processor, keeps no request alive.
+        start: list[Any] = [ticket, slot]
+        del ticket, slot
         with trio.CancelScope() as withdrawable:
-            await self._process(ticket, slot, withdrawable)
+            await self._process(start, withdrawable)
 
-    async def _process(
-        self,
-        ticket: Ticket[RequestT, ResultT],
-        slot: _Slot,
-        withdrawable: trio.CancelScope | None = None,
-    ) -> None:
+    def _withdrawn_only(self, withdrawable: trio.CancelScope | None) -> bool:
+        """Whether only cancel() cancelled this processor, not a stop or a crash (in memory)."""
+        nursery = self._nursery
+        return (
+            self._may_start
+            and self._store_run is None
+            and withdrawable is not None
+            and withdrawable.cancel_called
+            and nursery is not None
+            and not nursery.cancel_scope.cancel_called
+        )
+
+    @trio.lowlevel.enable_ki_protection
+    def _put_back(self, ticket: Ticket[RequestT, ResultT], now: float) -> None:
+        """A request taken but not started goes back where it waited, first in line."""
+        status = ticket.status
+        if status is _QUEUED:
+            with self._lock:
+                self._queue.appendleft(ticket)
+        else:
+            if status is _SCHEDULED:
+                with self._lock:
+                    self._scheduled += 1
+                    self._set_admit()
+            else:
+                self._retrying += 1
+            heapq.heappush(self._heap, (now, next(self._heap_seq), ticket))
+        self._tickle()
+
+    async def _process(self, start: list[Any], withdrawable: trio.CancelScope) -> None:
         """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
 
         Keeping the slot saves a task spawn per request. With nothing left to
@@ -149,6 +182,10 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         attempt starts clean. Every request, with or without contextvars,
         takes this one path.
         """
+        ticket: Ticket[RequestT, ResultT]
+        slot: _Slot
+        ticket, slot = start
+        start.clear()
         timer = self._timer
         assert timer is not None
         offset = self._offset
@@ -169,7 +206,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         wait_low = wait_high = run_low = run_high = math.nan
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
-        attempt = _ATTEMPTS[task] = _Attempt(self)
+        attempt = _ATTEMPTS[task] = _Attempt(self, withdrawable)
         try:
             # The enqueuer's context whose variables this task's context holds
             # now, with the variables and values set and the tokens to undo them.
@@ -203,10 +240,16 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 held_tokens = [var.set(value) for var, value in captured.items()]
                                 held = captured
                         if not self._may_start or task._cancel_status.effectively_cancelled:
+                            self._in_flight -= 1
+                            if self._withdrawn_only(withdrawable):
+                                # cancel() took this processor's last attempt
+                                # away: the request taken next goes back, and
+                                # the processor ends (its scope is cancelled).
+                                self._put_back(ticket, offset + timer())
+                                break
                             # A stop without drain, a crash or a cancellation came
                             # between taking this request and starting it.
                             self._may_start = False
-                            self._in_flight -= 1
                             self._cancel(ticket, offset + timer())
                             break
                         ticket.status = _RUNNING
@@ -241,7 +284,6 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 # The loop may take the attempt away through
                                 # the processor's scope: Cancelled, below.
                                 assert stored is not None
-                                assert withdrawable is not None
                                 stored.scopes[ticket.id] = withdrawable
                                 try:
                                     result = await awaitable
@@ -271,7 +313,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                         except Exception as exc:
                             now = offset + timer()
                             self._attempt_failed(ticket, exc, now, context)
-                            if withdrawable is not None and withdrawable.cancel_called:
+                            if withdrawable.cancel_called:
                                 # Taken away as it failed: the processor ends.
                                 await trio.lowlevel.checkpoint()
                         except BaseException as exc:
@@ -300,7 +342,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                     self._wake(state)
                             else:
                                 late = self._record_success(ticket, result, context)
-                                if late and withdrawable is not None and withdrawable.cancel_called:
+                                if late and withdrawable.cancel_called:
                                     # Taken away as it returned: the outcome is
                                     # recorded (the store decides what holds);
                                     # Cancelled from here ends the processor.
@@ -434,12 +476,26 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         tb = exc.__traceback__
         if tb is not None and tb.tb_frame is sys._getframe(1):
             exc.__traceback__ = tb = tb.tb_next
+        if self._stop_called and self._refused_by_stop(exc):
+            # The handler's follow-up was refused by this service's stop: the
+            # stop ended the request, not a fault of the handler. In memory it
+            # ends CANCELLED; with a store it goes back to the store, as
+            # everything a stop takes away does. No retry, no on_error.
+            if self._store_run is not None:
+                self._record("handed_back", ticket, (wall_clock(),))
+            else:
+                self._cancel(ticket, now)
+            return
         if self._store_run is not None:
             self._record_failure(ticket, exc, tb, context)
             return
         retry = self._retry
         attempt = ticket.attempts
-        if retry is not None and retry.should_retry(attempt, exc):
+        if (
+            retry is not None
+            and retry.should_retry(attempt, exc)
+            and not self._cancel_asked(ticket)  # a cancelled request is never retried
+        ):
             if not self._may_start:
                 self._cancel(ticket, now)
                 return
@@ -456,6 +512,17 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         self._fail(ticket, exc, tb, now)
         del tb
         self._call_on_error(ticket, exc, context)
+
+    def _refused_by_stop(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is (or was caused by) this service refusing an enqueue once closed."""
+        seen = 0
+        error: BaseException | None = exc
+        while error is not None and seen < 10:
+            if isinstance(error, ServiceClosed) and error._service is self:
+                return True
+            error = error.__cause__ or error.__context__
+            seen += 1
+        return False
 
     def _log_retry(
         self,
@@ -543,13 +610,19 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             if not isinstance(data, bytes):
                 kind = type(data).__name__
                 raise TypeError(f"codec.encode must return bytes, not {kind}")  # noqa: TRY301
+            # The handler's result as every other process would read it: the
+            # codec's round trip (a tuple comes back a list, say).
+            decoded = run.codec.decode(data)
         except Exception as exc:
+            # A programming error, not a passing fault: the request fails at
+            # once, never retried (a retry would repeat the handler's effects).
             error = TypeError(
                 f"the codec cannot encode the result, a {type(result).__name__}: {exc}"
             )
-            self._record_failure(ticket, error, None, context)
+            text = (_storable("TypeError"), _storable(str(error)), _storable(str(error)))
+            self._record("failed", ticket, (wall_clock(), *text), (error, None, context))
             return late
-        self._record("succeeded", ticket, (data, wall_clock()), result)
+        self._record("succeeded", ticket, (data, wall_clock()), decoded)
         return late
 
     def _record_failure(
@@ -611,7 +684,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             self._record("handed_back", ticket, (wall_clock(),))
             return
         if _is_cancellation(exc):
-            self._cancel(ticket, now)
+            # By a stop or a crash; or by cancel(), whose request the stop's
+            # list of tickets does not hold.
+            self._cancel(ticket, now, stopped=not self._cancel_asked(ticket))
         else:
             # A KeyboardInterrupt or the like ends the run: start nothing more.
             self._may_start = self._draining = False
@@ -639,14 +714,22 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         self._failed += 1
 
     @trio.lowlevel.enable_ki_protection
-    def _cancel(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
+    def _cancel(
+        self, ticket: Ticket[RequestT, ResultT], now: float | None, *, stopped: bool = True
+    ) -> None:
         if self._store_run is not None:
             # Claimed but not started: back to the store, to run later.
             self._record("returned", ticket, (wall_clock(),))
             return
         self._finish(ticket, _CANCELLED, (now, None))
         self._cancelled += 1
-        self._stopped_tickets.append(ticket)
+        if stopped:
+            self._stopped_tickets.append(ticket)
+
+    def _cancel_asked(self, ticket: Ticket[RequestT, ResultT]) -> bool:
+        """Whether cancel() took the calling processor's attempt of ``ticket`` away (in memory)."""
+        attempt = _ATTEMPTS.get(trio.lowlevel.current_task())
+        return attempt is not None and attempt.withdrawn is ticket
 
 
 # The edges of each bucket of TIME_BUCKETS: (low, high], the last one open.
@@ -654,13 +737,18 @@ _EDGES = tuple(itertools.pairwise((-math.inf, *TIME_BUCKETS, math.inf)))
 
 
 class _Attempt:
-    """A processor's service and the request it is running, for current_ticket()."""
+    """A processor's service, the request it is running (for current_ticket()) and its scope.
 
-    __slots__ = ("service", "ticket")
+    ``withdrawn`` is the request whose attempt ``cancel()`` took away.
+    """
 
-    def __init__(self, service: _QueueSide[Any, Any]) -> None:
+    __slots__ = ("scope", "service", "ticket", "withdrawn")
+
+    def __init__(self, service: _QueueSide[Any, Any], scope: trio.CancelScope | None) -> None:
         self.service = service  # a Service: the layers exist only as its bases
         self.ticket: Ticket[Any, Any] | None = None
+        self.scope = scope
+        self.withdrawn: Ticket[Any, Any] | None = None
 
 
 # Every running processor's task, in every Trio run of the process. A

@@ -218,7 +218,9 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
         if self._closed and not (self._draining and self._is_follow_up()):
             self._rejected += 1
             self._last_context = None  # a refused caller's context is kept by nothing
-            raise ServiceClosed(f"service {self.name!r} is closed")
+            closed = ServiceClosed(f"service {self.name!r} is closed")
+            closed._service = self  # whose stop refused it: see _Processors._refused_by_stop
+            raise closed
 
     def _check_room(self, length: int, *, waits: bool = False) -> None:
         """Raise QueueFull if ``length`` queued requests and the delayed ones fill the queue.
@@ -330,11 +332,20 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             raise TypeError(f"the codec cannot encode {type(request).__name__}: {exc}") from exc
         if not isinstance(data, bytes):
             raise TypeError(f"codec.encode must return bytes, not {type(data).__name__}")
+        # The handler gets what every process would read from the store: the
+        # codec's round trip, here too (a tuple comes back a list, say).
+        try:
+            request = run.codec.decode(data)
+        except Exception as exc:
+            raise TypeError(
+                f"the codec cannot decode what it encoded of a {type(request).__name__}: {exc}"
+            ) from exc
         status = _QUEUED if delay is None else _SCHEDULED
         if ticket is None:
             context = self._capture_context()
             ticket = Ticket(request, 0, status, 0, None, None, context)
         else:
+            ticket.request = request
             ticket.status = status
         run_at = wall_clock() + (delay or 0.0)
         with self._lock:
@@ -352,6 +363,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             ticket.id = 0
             self._last_id += 1
             run.pending.append((key_text, status.value, data, run_at, ticket))
+            run.accepted += 1
             if self._thread == _get_ident():
                 self._tickle()
             else:

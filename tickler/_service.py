@@ -9,13 +9,14 @@ import itertools
 import logging
 import math
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 
-from ._codec import Codec, JsonCodec, check_codec
+from ._codec import Codec, JsonCodec, check_codec, check_queue_name
 from ._core import (
     _UNBOUNDED,
     ErrorHook,
@@ -52,6 +53,14 @@ def default_on_error(ticket: Ticket[Any, Any], exc: Exception) -> None:
             ticket.attempts,
             _format_exception(exc),
         )
+
+
+# The services of each store object by queue name: while one has not ended,
+# a second one on its queue and store is refused. (Two store objects on one
+# file or schema act as two replicas would, each with its own services.)
+_RUNNING_QUEUES: weakref.WeakKeyDictionary[
+    SqliteStore | PostgresStore, weakref.WeakValueDictionary[str, Service[Any, Any]]
+] = weakref.WeakKeyDictionary()
 
 
 def _is_async(fn: object) -> bool:
@@ -124,14 +133,22 @@ class Service(_Loop[RequestT, ResultT]):
                 raise ValueError("codec is for a service with a store; give store= too")
             check_codec(codec)
         self._store_run: StoreRun | None = None
-        if store is not None and "\x00" in name:
-            raise ValueError("name must not contain NUL characters: it names the store's queue")
         if store is not None:
+            check_queue_name(name, "name")
+            # The name is the queue in the store; one handler per queue: a
+            # second service on a queue whose service has not ended is refused.
+            services = _RUNNING_QUEUES.setdefault(store, weakref.WeakValueDictionary())
+            other = services.get(name)
+            if other is not None and not other._finished.is_set():
+                raise ValueError(
+                    f"name {name!r}: a service of this process already runs that queue on"
+                    f" {store!r}; one service per queue and store (stop it first)"
+                )
             if codec is None:
                 codec = JsonCodec()
-            # The name is the queue in the store; one handler per queue.
             self._store_run = StoreRun(store, codec)
             store._codecs[name] = codec
+            services[name] = self
 
         self._handler = handler
         self._retry = retry
@@ -328,7 +345,13 @@ async def open_service(
     body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(service.run)
+            try:
+                await nursery.start(service.run)
+            except BaseException as exc:
+                # The run failed to start (a store that cannot open, say):
+                # its own error, as the caller would catch it.
+                body_error = exc
+                raise
             try:
                 yield service
             except BaseException as exc:
@@ -337,8 +360,8 @@ async def open_service(
                 raise
             await service.stop(drain=True, timeout=shutdown_timeout)
     except BaseExceptionGroup as group:
-        # The nursery wraps the body's own exception in a group; a caller of
-        # a context manager expects the exception it raised.
+        # The nursery wraps the body's own exception (or the start's) in a
+        # group; a caller of a context manager expects the exception itself.
         if (
             body_error is not None
             and len(group.exceptions) == 1

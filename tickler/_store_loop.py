@@ -10,6 +10,7 @@ and the processors only append to lists here.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -78,13 +79,23 @@ class StoreRun:
     local: set[int] = attrs.Factory(set)
     # The time from which the next look asks which requests became final.
     finals_since: float = 0.0
-    # Looks at the store so far (renewals, cancels, outcomes from elsewhere).
+    # Looks at the store begun so far (renewals, cancels, outcomes from
+    # elsewhere), and the number of the last one that committed: join()
+    # trusts only a look begun after it was called.
+    looks_begun: int = 0
     checks: int = 0
     # Tickets waiting for requests that run elsewhere (a live key, a lost lease).
     watched: dict[int, list[Ticket[Any, Any]]] = attrs.Factory(dict)
     # Set after each commit; submit() waits for the batch holding its request.
     committed: trio.Event = attrs.Factory(trio.Event)
-    next_check: float = 0.0
+    # Requests accepted into pending so far (under the service's lock), and
+    # how many of them have been settled: committed, refused by the store, or
+    # failed by the final flush. cancel() and lookup() wait until every
+    # request accepted before them is settled, so that they see it.
+    accepted: int = 0
+    settled: int = 0
+    # When the next look at the store is due, on Trio's clock.
+    next_check: float = -math.inf
     next_due: float | None = None
     shift: float = 0.0  # the store's clock minus this process's, as of the last batch
     live: int = 0
@@ -112,9 +123,13 @@ class StoreRun:
         return bool(self.pending or self.outcomes)
 
     def build(
-        self, lock: Any, claim: int, now: float
+        self, lock: Any, claim: int, now: float | None
     ) -> tuple[Batch, list[Pending], list[Outcome]]:
-        """The next batch, and what it takes from pending and outcomes (to put back if it fails)."""
+        """The next batch, and what it takes from pending and outcomes (to put back if it fails).
+
+        ``now`` is Trio's clock, which schedules the looks.
+        """
+        assert now is not None
         with lock:
             pending, self.pending = self.pending, []
         outcomes, self.outcomes = self.outcomes, []
@@ -129,6 +144,7 @@ class StoreRun:
             finished_since=self.finals_since if check else None,
         )
         if check:
+            self.looks_begun += 1
             store = self.store
             self.next_check = now + min(store.lease / 3, store.poll_interval)
         return batch, pending, outcomes
