@@ -451,14 +451,14 @@ async def test_a_step_back_of_the_wall_clock_does_not_stall_the_loop(
     connection = caller_connection(store)
     real_time = time.time
     try:
-        async with (
-            tickler.open_service(slow, store=store, name="jobs") as service,
-            # A replica that would run request 1 again if its lease lapsed.
-            tickler.open_service(slow, store=other, name="jobs") as replica,
-        ):
+        async with tickler.open_service(slow, store=store, name="jobs") as service:
             await service.join()
             monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
             await trio.sleep(0.3)
+            # A replica started after the step, which would run request 1
+            # again if its lease lapsed.
+            replica = await service_in_background(slow, other)
+            renewals = count_renewals(service, monkeypatch)
             ticket = await service.submit(1)
             request_id = store.enqueue_in(connection, "jobs", 2)
             if kind == "sqlite":
@@ -469,9 +469,48 @@ async def test_a_step_back_of_the_wall_clock_does_not_stall_the_loop(
             with trio.fail_after(5):
                 assert await ticket.wait() == 1
             assert replica.statistics().started <= 1  # request 2, at most
+            # Its lease was renewed every lease / 3 while request 1 ran.
+            assert len(renewals) >= 4, renewals
+            await replica.stop()
     finally:
         connection.close()
     assert sorted(starts) == [1, 2]
+
+
+def count_renewals(
+    service: tickler.Service[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> list[int]:
+    """A list that grows by one for each batch of ``service`` that renews its leases."""
+    from tickler._store_loop import StoreRun
+
+    renewals: list[int] = []
+    build = StoreRun.build
+
+    def counted(self: StoreRun, *args: Any) -> Any:
+        built = build(self, *args)
+        if self is service._store_run and built[0].renew:
+            renewals.append(1)
+        return built
+
+    monkeypatch.setattr(StoreRun, "build", counted)
+    return renewals
+
+
+async def service_in_background(handler: Any, store: Any) -> tickler.Service[Any, Any]:
+    """A service on ``store``'s queue "jobs", run in a system task until stopped."""
+    service: tickler.Service[Any, Any] = tickler.Service(handler, store=store, name="jobs")
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+        started.set()
+
+    started = trio.Event()
+    trio.lowlevel.spawn_system_task(run)
+    with trio.fail_after(5):
+        while service.statistics().wakeups == 0:
+            await trio.sleep(0.01)
+    return service
 
 
 # -- 17: cancel one request in memory
