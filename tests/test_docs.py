@@ -46,10 +46,34 @@ def test_every_readme_example_is_tested() -> None:
     assert len(EXAMPLES) == 5
 
 
+def test_readme_says_how_a_user_installs_each_extra() -> None:
+    """The install block names this distribution, and only extras it has."""
+    import importlib.metadata
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "trio-tickler"  # "tickler" on PyPI is another project
+    section = README.split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```sh\n(.*?)\n```", section, flags=re.DOTALL)
+    installs = [line.split("#")[0].split()[-1].strip("'") for line in block.splitlines()]
+    assert installs == ["trio-tickler", "trio-tickler[postgres]", "trio-tickler[prometheus]"]
+    extras = set(project["optional-dependencies"])
+    installed = set(importlib.metadata.metadata("trio-tickler").get_all("Provides-Extra") or ())
+    for name in installs[1:]:
+        extra = name.split("[")[1].rstrip("]")
+        assert extra in extras
+        assert extra in installed
+    assert "pip install '.[postgres,prometheus]'" in section
+
+
 def test_readme_gives_the_two_setup_commands() -> None:
     """The README's commands are the ones .ci/run executes."""
     ci = (ROOT / ".ci" / "run").read_text()
-    commands = re.findall(r"```sh\n(.*?)\n```", README)
+    commands = [
+        block
+        for block in re.findall(r"```sh\n(.*?)\n```", README)
+        if block.startswith("python3 -m venv")
+    ]
     assert commands[:2] == [
         "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python demo.py",
         "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
