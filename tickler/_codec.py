@@ -94,9 +94,19 @@ def check_codec(codec: object) -> Codec:
 
 
 def encode_key(key: object) -> str:
-    """A key as the store keeps it: canonical JSON of a str, or of a tuple of strs and ints.
+    """A key as the store keeps it in the ``key`` column: its canonical JSON.
+
+    The text is ``json.dumps(key, separators=(",", ":"))``, ASCII only
+    (other characters as ``\\uXXXX`` escapes): the str key ``k`` is kept as
+    ``"k"``, quotes included, and the tuple ``("order", 7)`` as
+    ``["order",7]``. A row inserted by another program de-duplicates against
+    tickler's only if its key is encoded so.
 
     Not a bare int: cancel() and lookup() take an int as a request's id.
+
+    Raises:
+        TypeError: the key is not a str or a tuple of strs and ints.
+        ValueError: its encoding is over MAX_KEY_BYTES.
     """
 
     def check(part: object, top: bool) -> None:
@@ -110,7 +120,13 @@ def encode_key(key: object) -> str:
             )
 
     check(key, True)
-    return json.dumps(key, separators=(",", ":"))
+    text = json.dumps(key, separators=(",", ":"))
+    if len(text) > MAX_KEY_BYTES:  # (ASCII: one byte a character)
+        raise ValueError(
+            f"key must be at most MAX_KEY_BYTES ({MAX_KEY_BYTES}) bytes once encoded as the"
+            f" store keeps it (canonical JSON), not {len(text)}"
+        )
+    return text
 
 
 # A queue name and a key share one entry of the index of live keys
