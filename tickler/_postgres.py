@@ -8,6 +8,7 @@ enqueues, and a reconnect when the server went away.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -227,6 +228,20 @@ class _Answer:
 class PostgresStore:
     """A durable queue in a PostgreSQL schema, shared by every replica that uses it.
 
+    Each request is a row of the table ``<schema>.tickler_requests``. Its
+    ``key`` column holds the request's key as canonical JSON, ASCII only:
+    ``json.dumps(key, separators=(",", ":"))``, so the str key ``k`` is the
+    text ``"k"`` (quotes included) and the tuple ``("order", 7)`` is
+    ``["order",7]``; NULL for a request without a key. A row inserted by
+    another driver de-duplicates against ``enqueue_in`` and the services
+    only if its key is encoded so. An encoded key is at most MAX_KEY_BYTES
+    (1,000) bytes and a queue name at most MAX_QUEUE_BYTES (1,000) bytes in
+    UTF-8, so that both fit one entry of PostgreSQL's index of live keys;
+    longer ones are refused with ValueError.
+
+    The schema and its tables are created when a service first connects,
+    or by ``create_schema()``.
+
     Args:
         dsn: a libpq connection string or URL.
         lease: seconds a claimed request stays leased; renewed every
@@ -273,6 +288,22 @@ class PostgresStore:
         """Connect, creating or checking the schema. Blocking: call it on a thread."""
         return PostgresConnection(self)
 
+    def create_schema(self) -> None:
+        """Create the schema and tickler's tables in it, unless they exist.
+
+        A service creates them when it starts; call this first to enqueue
+        with ``enqueue_in`` before any service has run on the schema.
+        Calling it again does nothing; replicas calling it at once create
+        the tables once. It opens a connection of its own and closes it.
+        Blocking: in a Trio program, call it through
+        ``trio.to_thread.run_sync(store.create_schema)``.
+
+        Raises:
+            StoreError: the server cannot be reached, the schema holds
+                tables that are not tickler's, or another schema version.
+        """
+        PostgresConnection(self).close()
+
     def enqueue_in(
         self,
         connection: psycopg.Connection[Any],
@@ -287,8 +318,17 @@ class PostgresStore:
         The request exists if and only if the caller commits; on a
         connection in autocommit mode, it is committed at once. Returns its
         id, or the live request's id if ``key`` is live.
+
+        Raises:
+            StoreError: the schema has no tickler tables yet: call
+                ``create_schema()`` first, or start a service on the store.
+                The failed statement has aborted the caller's transaction,
+                which must be rolled back.
+            ValueError: ``queue`` is over MAX_QUEUE_BYTES, or the encoded
+                ``key`` over MAX_KEY_BYTES (see the class's note on keys).
         """
         import psycopg
+        import psycopg.errors
         import psycopg.rows
 
         if not isinstance(connection, psycopg.Connection):
@@ -308,7 +348,15 @@ class PostgresStore:
                         params = (*params, self.channel, queue)  # pg_notify's
                 return cursor.execute(statements[sql], params)
 
-            return enqueue_through(x, self._codecs, queue, request, key, delay)
+            try:
+                return enqueue_through(x, self._codecs, queue, request, key, delay)
+            except psycopg.errors.UndefinedTable:
+                raise StoreError(
+                    f"schema {self.schema!r} has no tickler tables yet: create them with"
+                    " store.create_schema() (blocking: in a Trio program, through"
+                    " trio.to_thread.run_sync), or start a service on the store first. The"
+                    " failed statement aborted the connection's transaction: roll it back"
+                ) from None
 
     def _enqueue_statements(self) -> dict[str, str]:
         """enqueue_in's statements, in this store's schema whatever the caller's search_path.
@@ -510,12 +558,20 @@ class PostgresConnection(Connection):
         """
         self._reconnect_if_broken()
         self._due_and_live = None
-        with self.db.pipeline() as pipeline:
-            self._pipeline = pipeline
-            try:
-                return super().run(queue, owner, lease, retention, batch)
-            finally:
-                self._pipeline = None
+        try:
+            with self.db.pipeline() as pipeline:
+                self._pipeline = pipeline
+                try:
+                    return super().run(queue, owner, lease, retention, batch)
+                finally:
+                    self._pipeline = None
+        except BaseException:
+            # The session's state after an error in pipeline mode is not
+            # certain (the transaction, the prepared statements psycopg
+            # believes the server holds): close it, which rolls the batch
+            # back, and the next batch connects again.
+            self._reset("a failed batch")
+            raise
 
     def _x(self, sql: str, params: Any = ()) -> Any:
         if sql is _NEXT_DUE:
@@ -565,13 +621,52 @@ class PostgresConnection(Connection):
             self._pipeline.sync()  # the COMMIT's answer, and its error, before run returns
 
     def _rollback(self) -> None:
+        """Roll back after an error; out of a batch, close the session if that fails.
+
+        In a batch (in pipeline mode), run() closes the session instead.
+        psycopg's rollback() also forgets the statements it prepared, on
+        both sides, which an error may have left out of step.
+        """
         import psycopg
 
+        if self._pipeline is not None:
+            return
         db = self.db
-        if not db.closed and not db.broken:
-            status = db.info.transaction_status
-            if status != psycopg.pq.TransactionStatus.IDLE:
-                db.execute("ROLLBACK")
+        if db.closed or db.broken:
+            return
+        try:
+            db.rollback()
+            if db.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                return
+        except Exception:  # noqa: S110 (the session is closed below)
+            pass
+        self._reset("a failed rollback")
+
+    def _after_error_in_transaction(self) -> None:
+        """Take the pipeline out of its aborted state: the savepoint's rollback goes next.
+
+        The transaction stays open (failed, until rolled back to a
+        savepoint); what the pipeline skipped was only what followed the
+        error, whose errors are reported here and passed over.
+        """
+        import psycopg
+
+        if self._pipeline is not None:
+            try:
+                self._pipeline.sync()
+            except psycopg.Error:
+                if self.db.closed or self.db.broken:
+                    raise
+
+    def _reset(self, after: str) -> None:
+        """Close the session an error left in doubt; the next call connects again."""
+        db = self.db
+        if db.closed:
+            return
+        if not db.broken:  # (else the session was lost, not closed here)
+            self._reset_after = after
+        with contextlib.suppress(Exception):  # closed or not, it is not used again
+            db.close()
 
     def _notify_if(self, batch: Batch, queue: str) -> None:
         # Once per batch, never per row: other replicas wake and claim.
@@ -581,6 +676,9 @@ class PostgresConnection(Connection):
     # psycopg learns that the server ended a session only when a statement
     # fails: these calls then connect again and try once more. (A batch
     # needs no such care: the loop retries it, and _begin reconnects.)
+
+    # Any other error is rolled back (see _rollback), so that it cannot
+    # fail the calls and batches after it.
 
     def lookup(self, queue: str, id_or_key: object) -> Any:
         return self._twice(super().lookup, queue, id_or_key)
@@ -598,18 +696,35 @@ class PostgresConnection(Connection):
         try:
             return call(*args)
         except psycopg.OperationalError:
-            if not (self.db.closed or self.db.broken):
+            lost = self.db.closed or self.db.broken
+            self._rollback()
+            if not lost:
                 raise
+        except BaseException:
+            self._rollback()
+            raise
         self._reconnect_if_broken()
         return call(*args)
+
+    # Why this connection closed its last session itself, until it connects again.
+    _reset_after: str | None = None
 
     def _reconnect_if_broken(self) -> None:
         if self.db.closed or self.db.broken:
             self.db = self._open()
-            logger.warning(
-                "%r: connected to PostgreSQL again, the last session having been lost",
-                self.pg_store,
-            )
+            if self._reset_after is not None:
+                logger.warning(
+                    "%r: connected to PostgreSQL again, the last session having been closed"
+                    " after %s",
+                    self.pg_store,
+                    self._reset_after,
+                )
+                self._reset_after = None
+            else:
+                logger.warning(
+                    "%r: connected to PostgreSQL again, the last session having been lost",
+                    self.pg_store,
+                )
 
     def close(self) -> None:
         self.db.close()

@@ -18,7 +18,8 @@ from typing import Any
 
 import attrs
 
-from ._codec import Codec, JsonCodec, encode_key
+from ._codec import Codec, JsonCodec, check_queue_name, encode_key
+from ._core import _one_line
 from ._exceptions import StoreError
 
 SCHEMA_VERSION = 2
@@ -226,10 +227,13 @@ SELECT id FROM tickler_requests
 WHERE queue = ? AND state IN ('succeeded', 'failed', 'cancelled') AND finished_at >= ?
 """
 
+# Each queue's retention deletes its own rows only: queues of one store may
+# keep their final rows for different times. (The scan is on tickler_finished,
+# by finished_at; the queue is a filter on top of it.)
 _PRUNE = """
 DELETE FROM tickler_requests WHERE id IN (
     SELECT id FROM tickler_requests
-    WHERE state IN ('succeeded', 'failed', 'cancelled') AND finished_at < ?
+    WHERE queue = ? AND state IN ('succeeded', 'failed', 'cancelled') AND finished_at < ?
     LIMIT ?
 )
 """
@@ -287,6 +291,9 @@ class Batch:
     prune: bool = False
     finished_since: float | None = None
     """Report the ids of the queue's requests that became final at or after this time."""
+    isolate: bool = False
+    """Insert each row in a savepoint of its own: a row the store refuses is reported
+    in BatchResult.refused, and the rest of the batch commits (see Connection.run)."""
 
 
 @attrs.define(eq=False)
@@ -311,6 +318,9 @@ class BatchResult:
     """With finished_since: the ids that became final since then."""
     live: int = 0
     """1 if any request of the queue is queued, scheduled, running or retrying, in any process."""
+    refused: dict[int, str] = attrs.Factory(dict)
+    """With isolate: for each insert the store refused, by its position in Batch.inserts,
+    the error in one line; its entry in inserted is (0, False)."""
 
 
 def _shifted(
@@ -324,6 +334,19 @@ def _shifted(
 
 class SqliteStore:
     """A durable queue in one SQLite file; one file can hold many queues.
+
+    Each request is a row of the table ``tickler_requests``. Its ``key``
+    column holds the request's key as canonical JSON, ASCII only:
+    ``json.dumps(key, separators=(",", ":"))``, so the str key ``k`` is the
+    text ``"k"`` (quotes included) and the tuple ``("order", 7)`` is
+    ``["order",7]``; NULL for a request without a key. A row inserted by
+    another driver de-duplicates against ``enqueue_in`` and the services
+    only if its key is encoded so. An encoded key is at most MAX_KEY_BYTES
+    (1,000) bytes and a queue name at most MAX_QUEUE_BYTES (1,000) bytes in
+    UTF-8; longer ones are refused with ValueError.
+
+    The tables are created when a service first opens the file, or by
+    ``create_schema()``.
 
     Args:
         path: the database file, created if missing.
@@ -369,6 +392,20 @@ class SqliteStore:
         """Open the file, creating or checking its schema. Blocking: call it on a thread."""
         return Connection(self)
 
+    def create_schema(self) -> None:
+        """Create tickler's tables in the file, or bring an older schema up to date.
+
+        A service creates them when it starts; call this first to enqueue
+        with ``enqueue_in`` before any service has run on the file. Calling
+        it again does nothing. Blocking: in a Trio program, call it through
+        ``trio.to_thread.run_sync(store.create_schema)``.
+
+        Raises:
+            StoreError: the file cannot be opened, is not a SQLite database,
+                or holds a foreign schema under tickler's names.
+        """
+        Connection(self).close()
+
     def enqueue_in(
         self,
         connection: sqlite3.Connection,
@@ -387,10 +424,25 @@ class SqliteStore:
 
         Returns:
             The new request's id, or the live request's id if ``key`` is live.
+
+        Raises:
+            StoreError: the file has no tickler schema yet: call
+                ``create_schema()`` first, or start a service on the store.
+            ValueError: ``queue`` is over MAX_QUEUE_BYTES, or the encoded
+                ``key`` over MAX_KEY_BYTES (see the class's note on keys).
         """
         if not isinstance(connection, sqlite3.Connection):
             raise TypeError("connection must be a sqlite3.Connection")
-        return enqueue_through(connection.execute, self._codecs, queue, request, key, delay)
+        try:
+            return enqueue_through(connection.execute, self._codecs, queue, request, key, delay)
+        except sqlite3.OperationalError as exc:
+            if "no such table: tickler_requests" not in str(exc):
+                raise
+            raise StoreError(
+                f"{self.path} has no tickler schema yet: create it with store.create_schema()"
+                " (blocking: in a Trio program, through trio.to_thread.run_sync), or start a"
+                " service on the store first"
+            ) from None
 
 
 _JSON = JsonCodec()
@@ -407,6 +459,7 @@ def enqueue_through(
     """enqueue_in for every store: ``execute`` runs a statement on the caller's connection."""
     if not isinstance(queue, str):
         raise TypeError("queue must be a str")
+    check_queue_name(queue, "queue")
     key_text = encode_key(key) if key is not None else None
     now = time.time()
     run_at, state = now, "queued"
@@ -569,6 +622,12 @@ class Connection:
         ``("cancelled", id, (finished_at,))``, ``("handed_back", id, (run_at,))`` and
         ``("returned", id, (run_at,))`` (claimed, never started);
         each applies only while ``owner`` still holds the request's lease.
+
+        With ``batch.isolate``, each insert runs in a savepoint of its own: a
+        row whose insert raises is rolled back alone, reported in
+        ``BatchResult.refused`` and entered as (0, False) in ``inserted``,
+        and the rest of the batch commits. Without it, any error fails the
+        whole batch, and nothing of it is written.
         """
         x = self._x
         result = BatchResult()
@@ -580,7 +639,10 @@ class Connection:
             if shift:
                 inserts = [(e[0], e[1], e[2], e[3] + shift, *e[4:]) for e in inserts]
                 outcomes = [_shifted(outcome, shift) for outcome in outcomes]
-            result.inserted = self._insert(queue, inserts, now)
+            if batch.isolate:
+                result.inserted = self._insert_isolated(queue, inserts, now, result.refused)
+            else:
+                result.inserted = self._insert(queue, inserts, now)
             result.applied = self._write_outcomes(owner, outcomes, now)
             if batch.renew:
                 x(_RENEW, (now + lease, queue, owner))
@@ -625,7 +687,7 @@ class Connection:
                 # keep it until then, whatever the retention.
                 cutoff = min(cutoff, batch.finished_since)
             if batch.prune:
-                result.pruned = x(_PRUNE, (cutoff, PRUNE_BATCH)).rowcount
+                result.pruned = x(_PRUNE, (queue, cutoff, PRUNE_BATCH)).rowcount
             self._notify_if(batch, queue)
             self._commit()
             if self.reads_after_commit:
@@ -665,6 +727,35 @@ class Connection:
             inserted.append(insert_keyed(x, queue, key, entry[1], entry[2], entry[3], now))
         flush()
         return inserted
+
+    def _insert_isolated(
+        self, queue: str, inserts: Sequence[tuple[Any, ...]], now: float, refused: dict[int, str]
+    ) -> list[tuple[int, bool]]:
+        """As _insert, one row at a time, each in a savepoint of its own.
+
+        A row whose insert raises is rolled back to its savepoint alone: it
+        is entered in ``refused`` (its position, the error in one line) and
+        as (0, False) in what this returns, and the batch goes on. If the
+        rollback to the savepoint fails too (the connection is lost, or the
+        store ended the transaction), the whole batch fails.
+        """
+        x = self._x
+        inserted: list[tuple[int, bool]] = []
+        for position, entry in enumerate(inserts):
+            x("SAVEPOINT tickler_row")
+            try:
+                (row,) = self._insert(queue, (entry,), now)
+            except Exception as exc:
+                self._after_error_in_transaction()
+                x("ROLLBACK TO SAVEPOINT tickler_row")
+                refused[position] = _one_line(exc)
+                row = (0, False)
+            x("RELEASE SAVEPOINT tickler_row")
+            inserted.append(row)
+        return inserted
+
+    def _after_error_in_transaction(self) -> None:
+        """Make the connection take statements again after one failed: nothing to do in SQLite."""
 
     def _insert_rows(self, marks: str, params: list[Any], expected: int) -> Iterable[int]:
         """Insert the rows of ``marks`` in one statement; their ids, in their order.
