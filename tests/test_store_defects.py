@@ -375,6 +375,35 @@ async def test_create_schema_upgrades_an_older_sqlite_file(tmp_path: Path) -> No
 # -- 5. The key's encoding in the row, as another driver writes it
 
 
+def insert_as_the_readme_says(backend: Backend, key: Any, request: bytes, *, then: str = "") -> int:
+    """The README's INSERT from another driver, with the key encoded as documented.
+
+    ``then`` follows the VALUES (an ON CONFLICT clause). Returns the rows inserted.
+    """
+    encoded = json.dumps(key, separators=(",", ":"))
+    with backend.connect(autocommit=False) as connection:
+        if backend.kind == "sqlite":
+            inserted = connection.execute(
+                "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)"  # noqa: S608
+                " VALUES (:queue, :key, 'queued', :request,"
+                " (julianday('now') - 2440587.5) * 86400, (julianday('now') - 2440587.5) * 86400)"
+                f" {then}",
+                {"queue": "jobs", "key": encoded, "request": request},
+            ).rowcount
+        else:
+            inserted = connection.execute(
+                f"INSERT INTO {backend.table('tickler_requests')}"  # noqa: S608
+                " (queue, key, state, request, run_at, enqueued_at)"
+                " VALUES (%s, %s, 'queued', %s,"
+                " extract(epoch FROM statement_timestamp()),"
+                f" extract(epoch FROM statement_timestamp())) {then}",
+                ("jobs", encoded, request),
+            ).rowcount
+            connection.execute("SELECT pg_notify(%s, %s)", (f"tickler_{backend.schema}", "jobs"))
+        connection.commit()
+    return int(inserted)
+
+
 @pytest.mark.parametrize("key", ["k", ("order", 7), "clé ☃"])
 async def test_a_key_written_as_documented_by_another_driver_deduplicates(
     backend: Backend, key: Any
@@ -384,31 +413,17 @@ async def test_a_key_written_as_documented_by_another_driver_deduplicates(
     # The encoding is the stores' public word, in their documentation.
     assert 'json.dumps(key, separators=(",", ":"))' in (type(store).__doc__ or "")
     await create_schema(store)
-    encoded = json.dumps(key, separators=(",", ":"))
     request = tickler.JsonCodec().encode(21)
-    with backend.connect(autocommit=False) as connection:
-        if backend.kind == "sqlite":
-            connection.execute(
-                "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)"
-                " VALUES (:queue, :key, 'queued', :request,"
-                " (julianday('now') - 2440587.5) * 86400, (julianday('now') - 2440587.5) * 86400)",
-                {"queue": "jobs", "key": encoded, "request": request},
-            )
-        else:
-            connection.execute(
-                f"INSERT INTO {backend.table('tickler_requests')}"  # noqa: S608
-                " (queue, key, state, request, run_at, enqueued_at)"
-                " VALUES (%s, %s, 'queued', %s,"
-                " extract(epoch FROM statement_timestamp()),"
-                " extract(epoch FROM statement_timestamp()))",
-                ("jobs", encoded, request),
-            )
-            connection.execute("SELECT pg_notify(%s, %s)", (f"tickler_{backend.schema}", "jobs"))
-        connection.commit()
+    assert insert_as_the_readme_says(backend, key, request) == 1
     ((inserted, _, _, _),) = backend.rows()
     with backend.connect(autocommit=False) as connection:
         assert store.enqueue_in(connection, "jobs", 99, key=key) == inserted
         connection.commit()
+    # The other driver meets the live key too: a unique violation, or
+    # nothing inserted with ON CONFLICT DO NOTHING.
+    with pytest.raises(Exception, match=r"(?i)unique"):
+        insert_as_the_readme_says(backend, key, request)
+    assert insert_as_the_readme_says(backend, key, request, then="ON CONFLICT DO NOTHING") == 0
     async with tickler.open_service(double, store=store, name="jobs") as service:
         with trio.fail_after(10):
             while (found := await service.lookup(key)) is None or not found.done:
