@@ -694,3 +694,98 @@ async def test_cancel_in_memory_of_a_request_taken_but_not_started(
                 await ticket.wait()
         check_identity(service.statistics())
         assert service.statistics().cancelled == 20
+
+
+# -- 2: whatever one row does, the others commit
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_row_the_store_always_refuses_fails_alone(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from .test_store_defects import Backend
+
+    store = make_store(kind, request, tmp_path)
+    if kind == "sqlite":
+        backend = Backend("sqlite", str(store.path))
+    else:
+        backend = Backend("postgres", store.dsn, store.schema)
+    await trio.to_thread.run_sync(store.create_schema)
+    backend.add_fault(condition="NEW.key = '\"poison\"'")
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        before = [service.enqueue_request(i) for i in range(3)]
+        poisoned = service.enqueue_request("x", key="poison")
+        after = [service.enqueue_request(i) for i in range(3, 6)]
+        with trio.fail_after(10):
+            assert [await t.wait() for t in before + after] == list(range(6))
+            with pytest.raises(
+                tickler.StoreError, match=r"the store refused the request: .*injected"
+            ):
+                await poisoned.wait()
+            with pytest.raises(tickler.StoreError, match="the store refused the request"):
+                await service.submit("y", key="poison")
+            assert await (await service.submit(6)).wait() == 6
+        stats = service.statistics()
+    assert (stats.succeeded, stats.failed) == (7, 2)
+    check_identity(stats)
+    refusals = [r for r in caplog.records if "the store refused a request" in r.getMessage()]
+    assert len(refusals) == 2
+
+
+# -- 20: rows claimed ahead are counted apart from running ones
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_store_statistics_count_claimed_ahead_rows_apart_from_running(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    gate = trio.Event()
+
+    async def quick_then_held(value: int) -> int:
+        if value >= 100:
+            await gate.wait()
+        return value
+
+    store = make_store(kind, request, tmp_path)
+    async with tickler.open_service(quick_then_held, store=store, name="jobs", capacity=2) as svc:
+        # Two quick attempts in one batch with the held ones: the batch that
+        # writes their outcomes claims ahead of the free slots (twice the
+        # attempts that ended), to wait in this process's queue.
+        for value in (0, 1, *range(100, 110)):
+            svc.enqueue_request(value)
+        with trio.fail_after(10):
+            while (svc.statistics().in_flight, svc.statistics().queued) != (2, 4):
+                await trio.sleep(0.01)
+            while (counts := await svc.store_statistics())["running"] < 2:
+                await trio.sleep(0.01)
+        waiting_here = svc.statistics().queued
+        assert waiting_here > 0  # claimed ahead, not started
+        assert counts["running"] == 2  # never more than the capacity
+        assert counts["claimed"] == waiting_here
+        assert counts["claimed"] + counts["running"] + counts["queued"] == 10
+        url = f"sqlite:///{store.path}" if kind == "sqlite" else store.dsn
+        schema = [] if kind == "sqlite" else ["--schema", store.schema]
+        shown = subprocess.run(  # noqa: S603 - our own interpreter and module
+            [sys.executable, "-m", "tickler", "inspect", url, *schema],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert f"{waiting_here} claimed, 2 running" in shown
+        gate.set()
+    found = await svc_lookup_after(store, 100)
+    assert found is not None
+    assert found.started_at is not None
+
+
+async def svc_lookup_after(store: Any, request_id_or_value: int) -> Any:
+    """The row of the request whose value is given, read by a new service on the store."""
+    async with tickler.open_service(echo, store=store, name="jobs") as service:
+        for request_id in range(1, 40):
+            found = await service.lookup(request_id)
+            if found is not None and found.request == request_id_or_value:
+                return found
+    return None

@@ -108,7 +108,7 @@ async def test_inspect_a_schema(postgres_dsn: str, postgres_schema: str) -> None
     command = [sys.executable, "-m", "tickler", "inspect", postgres_dsn]
     done = await trio.run_process([*command, "--schema", postgres_schema], capture_stdout=True)
     assert done.stdout.decode().splitlines() == [
-        "queue 'jobs': 0 queued, 0 scheduled, 0 running, 0 retrying,"
+        "queue 'jobs': 0 queued, 0 scheduled, 0 claimed, 0 running, 0 retrying,"
         " 1 succeeded, 1 failed, 0 cancelled",
         "  failed #2 after 1 attempt(s): ValueError: negative -2",
     ]

@@ -268,6 +268,7 @@ async def settled_store_service(tmp_path: Path) -> AsyncIterator[tickler.Service
         settled = {
             "queued": 2,
             "scheduled": 1,
+            "claimed": 0,  # "waits" are not claimed: both slots are held
             "running": 2,
             "retrying": 0,
             "succeeded": 3,

@@ -123,7 +123,8 @@ async def test_all_sites_reach_running_despite_faults(tmp_path: Path) -> None:
     assert stats["replica"]["retried"] > 0
     assert stats["replica"]["failed"] == 0
     assert stats["store"]["succeeded"] == 4 * 200
-    assert stats["store"]["queued"] + stats["store"]["running"] + stats["store"]["retrying"] == 0
+    store = stats["store"]
+    assert store["queued"] + store["claimed"] + store["running"] + store["retrying"] == 0
     for site_id in ids:
         assert_provisioned(tmp_path, site_id)
 

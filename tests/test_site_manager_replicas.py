@@ -380,7 +380,13 @@ async def test_three_replicas_share_the_sites(
     # Each replica reports its own work and the store's counts, the same for all.
     assert all(s["store"] == stats[0]["store"] for s in stats)
     store = stats[0]["store"]
-    assert store["queued"] + store["scheduled"] + store["running"] + store["retrying"] == 0
+    assert (
+        store["queued"]
+        + store["scheduled"]
+        + store["claimed"]
+        + store["running"]
+        + store["retrying"]
+    ) == 0
     assert store["cancelled"] > 0
     assert all(s["replica"]["succeeded"] > 0 for s in stats)
 

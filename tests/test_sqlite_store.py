@@ -417,7 +417,7 @@ async def test_inspect_prints_counts_and_latest_failures(tmp_path: Path) -> None
         )
         await service.cancel(4)
     assert done.stdout.decode().splitlines() == [
-        "queue 'jobs': 0 queued, 1 scheduled, 0 running, 0 retrying,"
+        "queue 'jobs': 0 queued, 1 scheduled, 0 claimed, 0 running, 0 retrying,"
         " 2 succeeded, 1 failed, 0 cancelled",
         "  failed #3 after 1 attempt(s): ValueError: negative -3",
     ]

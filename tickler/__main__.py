@@ -21,7 +21,7 @@ from typing import Any
 
 from ._postgres import SCHEMA_VERSION as postgres_version
 from ._postgres import _psycopg_style
-from ._sqlite import _MIGRATIONS, FINAL, LIVE, SCHEMA_VERSION
+from ._sqlite import _MIGRATIONS, COUNTED, SCHEMA_VERSION
 
 _PREFIX = "sqlite:///"
 _LATEST_FAILURES = 5
@@ -79,7 +79,11 @@ def redact(text: str, sources: Iterable[str] = ()) -> str:
     return _MESSAGE_PASSWORD.sub(rf"\1{_MASK}", text)
 
 
-_COUNTS = "SELECT queue, state, count(*) FROM tickler_requests GROUP BY queue, state"
+# As the stores' statistics(): running rows claimed ahead, not started, apart.
+_COUNTS = (
+    "SELECT queue, CASE WHEN state = 'running' AND started_at IS NULL THEN 'claimed'"
+    " ELSE state END AS s, count(*) FROM tickler_requests GROUP BY queue, s"
+)
 _FAILURES = (
     "SELECT id, attempts, error_type, error_message FROM tickler_requests"
     " WHERE queue = ? AND state = 'failed' ORDER BY finished_at DESC LIMIT ?"
@@ -90,7 +94,7 @@ def _report(execute: Any) -> str:
     """The report, from a function that runs one statement with ? placeholders."""
     counts: dict[str, dict[str, int]] = {}
     for queue, state, count in execute(_COUNTS, ()):
-        counts.setdefault(queue, dict.fromkeys((*LIVE, *FINAL), 0))[state] = count
+        counts.setdefault(queue, dict.fromkeys(COUNTED, 0))[state] = count
     lines = []
     if not counts:
         lines.append("no requests")

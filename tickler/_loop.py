@@ -152,6 +152,9 @@ class _Loop(_Processors[RequestT, ResultT]):
                 # Looks are scheduled on Trio's clock, never the wall clock:
                 # a step of the wall clock must not stall the loop.
                 batch, pending, outcomes = stored.build(self._lock, claim, self._time())
+                # After a failed batch, each insert goes in a savepoint of its
+                # own: a row the store refuses cannot hold back the others.
+                batch.isolate = stored.failures > 0
                 looked = False
                 if batch.inserts or batch.outcomes or batch.claim or batch.renew:
                     result = await self._try_batch(stored, batch, pending, outcomes)
@@ -165,6 +168,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                             self._expire()
                         await trio.sleep_until(min(now + delay, self._stop_deadline))
                         continue
+                    stored.marked.update(batch.started)
                     if batch.finished_since is not None:
                         # Overlapping looks: a clock step back loses nothing.
                         assert stored.connection is not None
@@ -219,7 +223,13 @@ class _Loop(_Processors[RequestT, ResultT]):
         now = self._time()
         assert now is not None
         to_trio = now - wall_clock()
-        for entry, (request_id, new) in zip(pending, result.inserted, strict=True):
+        refused = result.refused
+        if refused:
+            pending = self._refused(stored, pending, refused, now)
+            inserted = [pair for i, pair in enumerate(result.inserted) if i not in refused]
+        else:
+            inserted = result.inserted
+        for entry, (request_id, new) in zip(pending, inserted, strict=True):
             ticket = entry[4]
             ticket.id = request_id
             if new:
@@ -326,6 +336,41 @@ class _Loop(_Processors[RequestT, ResultT]):
         stored.next_due = result.next_due
         stored.shift = result.shift
         stored.live = result.live
+
+    def _refused(
+        self, stored: StoreRun, pending: list[Pending], refused: dict[int, str], now: float
+    ) -> list[Pending]:
+        """Requests whose insert the store refused in an isolated batch; the others, in order.
+
+        A refused request goes into the next batch once more (the refusal
+        may have been a passing fault: a deadlock, a timeout); refused again,
+        its ticket fails with StoreError, which names the store's error.
+        """
+        kept: list[Pending] = []
+        again: list[Pending] = []
+        failed = False
+        for position, entry in enumerate(pending):
+            error = refused.get(position)
+            if error is None:
+                kept.append(entry)
+                continue
+            ticket = entry[4]
+            if stored.refused_once.pop(ticket, None) is None:
+                stored.refused_once[ticket] = error
+                again.append(entry)
+                continue
+            logger.error("service %r: the store refused a request (%s)", self.name, error)
+            stored.settled += 1
+            self._fail(ticket, StoreError(f"the store refused the request: {error}"), None, now)
+            failed = True
+        if failed:
+            stored.committed.set()  # submit() raises the ticket's error
+            stored.committed = trio.Event()
+        if again:
+            with self._lock:
+                stored.pending[:0] = again
+            self._tickle()
+        return kept
 
     @staticmethod
     def _decoded(stored: StoreRun, row: Row) -> tuple[Status, tuple[Any, ...]]:

@@ -13,7 +13,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -100,7 +100,7 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 _CLAIM = """
 UPDATE tickler_requests AS t
 SET state = 'running', owner = :owner, lease_until = :lease_until,
-    attempts = t.attempts + 1, started_at = :now
+    attempts = t.attempts + 1, started_at = NULL
 WHERE t.id = ANY(ARRAY(
     SELECT id FROM (
         SELECT id, run_at AS due FROM (
@@ -595,6 +595,14 @@ class PostgresConnection(Connection):
         rows = self._x(f"{_INSERT_MANY} {marks} RETURNING id", params).fetchall()
         # One statement allocates ids in the order of its rows.
         return sorted(request_id for (request_id,) in rows)
+
+    def _mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
+        """As Connection's, with the ids as an array."""
+        self.db.execute(
+            "UPDATE tickler_requests SET started_at = %s WHERE id = ANY(%s::int8[])"
+            " AND owner = %s AND state = 'running' AND started_at IS NULL",
+            (now, list(ids), owner),
+        )
 
     def _write_outcomes(
         self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]], now: float

@@ -420,8 +420,10 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             run = self._store_run
             if run is not None:
                 # Returns once the batch holding the request has committed.
-                while ticket.id == 0 and not self._finished.is_set():
+                while ticket.id == 0 and not ticket.done and not self._finished.is_set():
                     await run.committed.wait()
+                if ticket.id == 0 and ticket.done:
+                    ticket.result()  # the store refused it: its StoreError
                 if ticket.id == 0:
                     raise ServiceClosed(
                         f"service {self.name!r} ended before the request was committed"

@@ -27,6 +27,14 @@ SCHEMA_VERSION = 2
 # Live states hold their key; ready states may be claimed once run_at has come.
 LIVE = ("queued", "scheduled", "running", "retrying")
 FINAL = ("succeeded", "failed", "cancelled")
+# What statistics() counts: the states, with the running rows claimed ahead
+# of a free slot (started_at still NULL) on their own.
+COUNTED = ("queued", "scheduled", "claimed", "running", "retrying", *FINAL)
+_COUNTS = """
+SELECT CASE WHEN state = 'running' AND started_at IS NULL THEN 'claimed' ELSE state END AS s,
+    count(*)
+FROM tickler_requests WHERE queue = ? GROUP BY s
+"""
 
 # Which states a partial index holds, written out as ORs: SQLite builds a
 # temporary table for an IN list of three or more values each time it checks
@@ -110,7 +118,7 @@ WHERE queue = ? AND key = ? AND key IS NOT NULL AND {_LIVE_STATE}
 _CLAIM = f"""
 UPDATE tickler_requests
 SET state = 'running', owner = :owner, lease_until = :lease_until,
-    attempts = attempts + 1, started_at = :now
+    attempts = attempts + 1, started_at = NULL
 WHERE id IN (
     SELECT id FROM (
         SELECT * FROM (
@@ -174,31 +182,35 @@ _SETS = {
     "succeeded": (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END,"
         " result = CASE WHEN cancel_requested THEN NULL ELSE v.column2 END,"
-        " finished_at = {now}"
+        " finished_at = {now}, started_at = coalesce(started_at, {now})"
     ),
     # A request whose cancel was asked for is never retried nor handed back.
     "retrying": (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'retrying' END,"
         " finished_at = CASE WHEN cancel_requested THEN {now} END,"
         " run_at = v.column2, error_type = v.column3,"
-        " error_message = v.column4, error_traceback = v.column5"
+        " error_message = v.column4, error_traceback = v.column5,"
+        " started_at = coalesce(started_at, {now})"
     ),
     "failed": (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'failed' END,"
         " finished_at = {now}, error_type = v.column3,"
-        " error_message = v.column4, error_traceback = v.column5"
+        " error_message = v.column4, error_traceback = v.column5,"
+        " started_at = coalesce(started_at, {now})"
     ),
-    "cancelled": "state = 'cancelled', finished_at = {now}",
+    "cancelled": (
+        "state = 'cancelled', finished_at = {now}, started_at = coalesce(started_at, {now})"
+    ),
     "handed_back": (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
-        " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2"
+        " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2,"
+        " started_at = coalesce(started_at, {now})"
     ),
     # Claimed but never started: handed back, and the claim's attempt undone.
     "returned": (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
         " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2,"
-        " attempts = attempts - 1,"
-        " started_at = CASE WHEN attempts = 1 THEN NULL ELSE started_at END"
+        " attempts = attempts - 1"
     ),
 }
 _ROWS_PER_STATEMENT = 150
@@ -211,9 +223,20 @@ _DUE_THEN_ID = itemgetter(5, 0)
 _SUCCEEDED_BARE = """
 UPDATE tickler_requests
 SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END,
-    result = NULL, finished_at = ?, owner = NULL, lease_until = NULL
+    result = NULL, finished_at = ?, owner = NULL, lease_until = NULL,
+    started_at = coalesce(started_at, ?)
 WHERE id IN (SELECT value FROM json_each(?)) AND owner = ? AND state = 'running'
 RETURNING id, state
+"""
+
+# Attempts that started since the last batch and still run: a claimed row's
+# started_at is NULL until its attempt starts (claimed ahead, not started),
+# then the time of the first batch after the start. An attempt that ended
+# before that batch gets it from its outcome's write.
+_STARTED = """
+UPDATE tickler_requests SET started_at = ?
+WHERE id IN (SELECT value FROM json_each(?)) AND owner = ? AND state = 'running'
+    AND started_at IS NULL
 """
 
 _ROW = """
@@ -291,6 +314,8 @@ class Batch:
     prune: bool = False
     finished_since: float | None = None
     """Report the ids of the queue's requests that became final at or after this time."""
+    started: Sequence[int] = ()
+    """Ids of attempts that started since their row was claimed, and still run."""
     isolate: bool = False
     """Insert each row in a savepoint of its own: a row the store refuses is reported
     in BatchResult.refused, and the rest of the batch commits (see Connection.run)."""
@@ -643,6 +668,8 @@ class Connection:
                 result.inserted = self._insert_isolated(queue, inserts, now, result.refused)
             else:
                 result.inserted = self._insert(queue, inserts, now)
+            if batch.started:
+                self._mark_started(owner, batch.started, now)
             result.applied = self._write_outcomes(owner, outcomes, now)
             if batch.renew:
                 x(_RENEW, (now + lease, queue, owner))
@@ -791,7 +818,7 @@ class Connection:
                 by_kind.setdefault(kind, []).append((request_id, values))
         applied: dict[int, str] = {}
         if bare:
-            applied.update(x(_SUCCEEDED_BARE, (now, json.dumps(bare), owner)).fetchall())
+            applied.update(x(_SUCCEEDED_BARE, (now, now, json.dumps(bare), owner)).fetchall())
         for kind, entries in by_kind.items():
             width = 2 + len(entries[0][1])
             sets = _SETS[kind].format(now=f"v.column{width}")
@@ -810,6 +837,10 @@ class Connection:
                     ).fetchall()
                 )
         return [applied.get(request_id) for _, request_id, _ in outcomes]
+
+    def _mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
+        """Write the start of the attempts ``ids``, which run under ``owner``'s lease."""
+        self._x(_STARTED, (now, json.dumps(list(ids)), owner))
 
     def _has(self, request_id: int) -> bool:
         found = self._x("SELECT 1 FROM tickler_requests WHERE id = ?", (request_id,))
@@ -877,9 +908,8 @@ class Connection:
         return True, request_id
 
     def statistics(self, queue: str) -> dict[str, int]:
-        counts = dict.fromkeys((*LIVE, *FINAL), 0)
-        for state, count in self._x(
-            "SELECT state, count(*) FROM tickler_requests WHERE queue = ? GROUP BY state", (queue,)
-        ):
+        """The queue's rows by state; "claimed" are running rows whose attempt has not started."""
+        counts = dict.fromkeys(COUNTED, 0)
+        for state, count in self._x(_COUNTS, (queue,)):
             counts[state] = count
         return counts

@@ -75,6 +75,8 @@ class StoreRun:
     # The cancel scope of each running attempt, and why the loop cancelled it.
     scopes: dict[int, trio.CancelScope] = attrs.Factory(dict)
     reasons: dict[int, str] = attrs.Factory(dict)
+    # Running attempts whose start a committed batch has written.
+    marked: set[int] = attrs.Factory(set)
     # Requests claimed by this process whose outcome is not written yet.
     local: set[int] = attrs.Factory(set)
     # The time from which the next look asks which requests became final.
@@ -94,6 +96,8 @@ class StoreRun:
     # request accepted before them is settled, so that they see it.
     accepted: int = 0
     settled: int = 0
+    # Requests the store refused once in an isolated batch, and its error.
+    refused_once: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
     # When the next look at the store is due, on Trio's clock.
     next_check: float = -math.inf
     next_due: float | None = None
@@ -134,10 +138,17 @@ class StoreRun:
             pending, self.pending = self.pending, []
         outcomes, self.outcomes = self.outcomes, []
         check = now >= self.next_check
+        # The attempts running now whose start the store has not been told.
+        marked = self.marked
+        marked.intersection_update(self.scopes)
+        started = (
+            [i for i in self.scopes if i not in marked] if len(marked) < len(self.scopes) else ()
+        )
         batch = Batch(
             inserts=pending,
             outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
             claim=claim,
+            started=started,
             renew=check,
             watched=self._watch_list() if check else (),
             prune=check,
