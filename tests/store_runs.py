@@ -146,3 +146,12 @@ async def check_own_lapsed_lease_is_not_claimed_again(
         with trio.fail_after(5):
             assert await held.wait() == 1
     assert starts == [1, 2]
+
+
+def driver_of(session: Any) -> Any:
+    """The driver connection (sqlite3's or psycopg's) inside a service's store session.
+
+    For tests that act on the very session a service uses: terminate its
+    backend, read its settings.
+    """
+    return session.db

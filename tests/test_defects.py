@@ -608,6 +608,10 @@ async def test_cancel_in_memory_cancels_a_running_attempt_and_a_retrying_one(
         assert all(t.status is tickler.Status.RUNNING for t in later[:2])
         for ticket in later:
             assert await service.cancel(ticket.id)
+        for ticket in later:
+            # A running attempt ends CANCELLED once the cancellation reaches it.
+            with pytest.raises(tickler.RequestCancelled):
+                await ticket.wait()
         stats = service.statistics()
         check_identity(stats)
         assert stats.cancelled == 5

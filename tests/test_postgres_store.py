@@ -13,7 +13,7 @@ import trio
 import tickler
 
 from .conftest import Cluster
-from .store_runs import check_own_lapsed_lease_is_not_claimed_again
+from .store_runs import check_own_lapsed_lease_is_not_claimed_again, driver_of
 
 
 async def double(request: int) -> int:
@@ -81,13 +81,13 @@ async def test_the_server_dropping_the_connection_loses_nothing(
         stored = service._store_run
         assert stored is not None
         assert stored.connection is not None
-        pid = stored.connection.db.info.backend_pid
+        pid = driver_of(stored.connection).info.backend_pid
         with psycopg.connect(postgres_dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
         tickets = [service.enqueue_request(i) for i in range(1, 50)]
         with trio.fail_after(20):
             assert [await t.wait() for t in tickets] == [i * 2 for i in range(1, 50)]
-        assert stored.connection.db.info.backend_pid != pid  # a new session
+        assert driver_of(stored.connection).info.backend_pid != pid  # a new session
         assert service.statistics().store_errors >= 1  # and the statistics say so
         assert (await service.store_statistics())["succeeded"] == 50
 
@@ -183,7 +183,7 @@ async def test_lookup_and_cancel_survive_a_session_the_server_ended(
         assert stored is not None
         assert stored.connection is not None
         for call in (service.lookup, service.cancel):
-            pid = stored.connection.db.info.backend_pid
+            pid = driver_of(stored.connection).info.backend_pid
             with psycopg.connect(postgres_dsn, autocommit=True) as admin:
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
             assert await call(ticket.id)
@@ -438,7 +438,8 @@ async def test_lookup_of_a_finished_request_by_key_reads_an_index(
         from tickler._postgres import _psycopg_style
 
         plan = "\n".join(
-            row[0] for row in connection.db.execute("EXPLAIN " + _psycopg_style(sql), params)
+            row[0]
+            for row in driver_of(connection).execute("EXPLAIN " + _psycopg_style(sql), params)
         )
         assert "tickler_keys" in plan, plan
         assert "Seq Scan" not in plan, plan
@@ -462,7 +463,7 @@ async def test_connections_keep_tcp_alive_unless_the_dsn_says_otherwise(
             assert service._store_run is not None
             connection = service._store_run.connection
             assert connection is not None
-            said = connection.db.info.get_parameters()
+            said = driver_of(connection).info.get_parameters()
             assert (said.get("keepalives"), said.get("keepalives_idle")) == ("1", idle)
             assert await (await service.submit(1)).wait() == 2
 

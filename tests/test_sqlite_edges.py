@@ -13,7 +13,7 @@ import trio.testing
 
 import tickler
 
-from .store_runs import check_own_lapsed_lease_is_not_claimed_again
+from .store_runs import check_own_lapsed_lease_is_not_claimed_again, driver_of
 
 FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
 
@@ -272,7 +272,7 @@ async def test_a_stops_deadline_holds_while_the_store_keeps_failing(tmp_path: Pa
         stored = service._store_run
         assert stored is not None
         assert stored.connection is not None
-        db = stored.connection.db
+        db = driver_of(stored.connection)
         db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
         for i in range(1, 300):
             service.enqueue_request(i)
@@ -466,7 +466,7 @@ async def test_requests_the_final_flush_cannot_commit_fail_and_say_why(
         stored = service._store_run
         assert stored is not None
         assert stored.connection is not None
-        db = stored.connection.db
+        db = driver_of(stored.connection)
         db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
         tickets = [service.enqueue_request(i) for i in range(1, 300)]
         await service.stop(timeout=1.0)  # the disk stays full

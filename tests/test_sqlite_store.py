@@ -13,6 +13,8 @@ import trio
 
 import tickler
 
+from .store_runs import driver_of
+
 FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
 
 
@@ -380,7 +382,7 @@ async def test_a_full_disk_delays_the_commit_and_loses_nothing(
         stored = service._store_run
         assert stored is not None
         assert stored.connection is not None
-        db = stored.connection.db
+        db = driver_of(stored.connection)
         pages = db.execute("PRAGMA page_count").fetchone()[0]
         db.execute(f"PRAGMA max_page_count = {pages}")
         tickets = [service.enqueue_request(i) for i in range(1, 200)]

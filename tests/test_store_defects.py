@@ -23,7 +23,7 @@ import trio
 
 import tickler
 from tickler._codec import MAX_KEY_BYTES, MAX_QUEUE_BYTES
-from tickler._sqlite import Batch
+from tickler._stores._seam import Batch
 
 FAST: dict[str, Any] = {"lease": 5.0, "poll_interval": 0.05}
 

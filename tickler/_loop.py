@@ -31,8 +31,8 @@ from ._core import (
 from ._exceptions import ServiceClosed, StoreError
 from ._processors import _ATTEMPTS, _Processors, _Slot
 from ._queue import _check_key
-from ._sqlite import Batch, BatchResult, Row
 from ._store_loop import Outcome, Pending, RequestFailed, StoreRun, wall_clock
+from ._stores._seam import Batch, BatchResult, Row
 from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
 
 _T = TypeVar("_T")

@@ -27,12 +27,11 @@ from ._sqlite import (
     _LIVE_ID_OF_KEY,
     _NEXT_DUE,
     _SETS,
-    Batch,
-    BatchResult,
     Connection,
     _positive,
     enqueue_through,
 )
+from ._stores._seam import Batch, BatchResult
 
 if TYPE_CHECKING:
     import psycopg
@@ -381,6 +380,10 @@ class PostgresStore:
             live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
             self._enqueue_sql = {_INSERT: insert, _LIVE_ID_OF_KEY: live}
         return self._enqueue_sql
+
+    def use_codec(self, queue: str, codec: Codec) -> None:
+        """Encode what ``enqueue_in`` writes to ``queue`` with ``codec`` (its service's)."""
+        self._codecs[queue] = codec
 
     def listener(self, queue: str) -> Listener | None:
         """A LISTEN on this schema's channel for ``queue``, or None with notify=False."""

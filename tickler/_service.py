@@ -27,12 +27,11 @@ from ._core import (
     logger,
 )
 from ._loop import _Loop
-from ._postgres import PostgresStore
 from ._processors import _Parked
 from ._retry import Retry
-from ._sqlite import SqliteStore
 from ._statistics import TIME_BUCKETS, Histogram, ServiceStatistics
 from ._store_loop import StoreRun
+from ._stores._seam import Store
 from ._ticket import RequestT, ResultT, Ticket
 
 
@@ -59,8 +58,18 @@ def default_on_error(ticket: Ticket[Any, Any], exc: Exception) -> None:
 # a second one on its queue and store is refused. (Two store objects on one
 # file or schema act as two replicas would, each with its own services.)
 _RUNNING_QUEUES: weakref.WeakKeyDictionary[
-    SqliteStore | PostgresStore, weakref.WeakValueDictionary[str, Service[Any, Any]]
+    Store, weakref.WeakValueDictionary[str, Service[Any, Any]]
 ] = weakref.WeakKeyDictionary()
+
+
+def _check_store(store: object) -> None:
+    """Refuse what does not implement the store seam (see _stores._seam.Store)."""
+    methods = ("connect", "listener", "use_codec")
+    numbers = ("lease", "poll_interval", "retention")
+    if not all(callable(getattr(store, name, None)) for name in methods) or not all(
+        isinstance(getattr(store, name, None), float) for name in numbers
+    ):
+        raise TypeError("store must be a tickler.SqliteStore, a tickler.PostgresStore or None")
 
 
 def _is_async(fn: object) -> bool:
@@ -103,7 +112,7 @@ class Service(_Loop[RequestT, ResultT]):
         retry: Retry | None = None,
         on_error: ErrorHook[RequestT, ResultT] | None = None,
         name: str = "tickler",
-        store: SqliteStore | PostgresStore | None = None,
+        store: Store | None = None,
         codec: Codec | None = None,
         histograms: bool = False,
     ) -> None:
@@ -126,8 +135,8 @@ class Service(_Loop[RequestT, ResultT]):
             raise TypeError("name must be a str")
         if type(histograms) is not bool:
             raise TypeError("histograms must be True or False")
-        if store is not None and not isinstance(store, SqliteStore | PostgresStore):
-            raise TypeError("store must be a tickler.SqliteStore, a tickler.PostgresStore or None")
+        if store is not None:
+            _check_store(store)
         if codec is not None:
             if store is None:
                 raise ValueError("codec is for a service with a store; give store= too")
@@ -147,7 +156,7 @@ class Service(_Loop[RequestT, ResultT]):
             if codec is None:
                 codec = JsonCodec()
             self._store_run = StoreRun(store, codec)
-            store._codecs[name] = codec
+            store.use_codec(name, codec)
             services[name] = self
 
         self._handler = handler
@@ -267,6 +276,27 @@ class Service(_Loop[RequestT, ResultT]):
         self._tickle()
 
     @property
+    def running(self) -> bool:
+        """Whether the run has started and not ended; with a store, while its session is open."""
+        stored = self._store_run
+        return (
+            self._token is not None
+            and not self._finished.is_set()
+            and (stored is None or stored.connection is not None)
+        )
+
+    @property
+    def trio_token(self) -> trio.lowlevel.TrioToken | None:
+        """The token of the Trio run that runs the service, once the run has started."""
+        return self._token
+
+    @property
+    def store(self) -> Store | None:
+        """The store given to the constructor, or None for the in-memory engine."""
+        stored = self._store_run
+        return stored.store if stored is not None else None
+
+    @property
     def closed(self) -> bool:
         """Whether ``enqueue_request`` now raises :class:`ServiceClosed`."""
         return self._closed
@@ -318,7 +348,7 @@ async def open_service(
     retry: Retry | None = None,
     on_error: ErrorHook[RequestT, ResultT] | None = None,
     name: str = "tickler",
-    store: SqliteStore | PostgresStore | None = None,
+    store: Store | None = None,
     codec: Codec | None = None,
     histograms: bool = False,
     shutdown_timeout: float | None = None,

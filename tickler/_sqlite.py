@@ -16,11 +16,10 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from ._codec import Codec, JsonCodec, check_queue_name, encode_key
 from ._core import _one_line
 from ._exceptions import StoreError
+from ._stores._seam import Batch, BatchResult, Row
 
 SCHEMA_VERSION = 2
 
@@ -274,80 +273,6 @@ def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
     return float(value)
 
 
-@attrs.define(eq=False)
-class Row:
-    """A request as the store has it."""
-
-    id: int
-    key: str | None
-    state: str
-    request: bytes
-    result: bytes | None
-    error_type: str | None
-    error_message: str | None
-    error_traceback: str | None
-    attempts: int
-    enqueued_at: float
-    started_at: float | None
-    finished_at: float | None
-
-
-# A row a batch claimed, as its claim returns it: (id, request, attempts,
-# key, enqueued_at, run_at), run_at being the order in which claims start.
-Claimed = tuple[int, bytes, int, str | None, float, float]
-
-
-@attrs.define(eq=False)
-class Batch:
-    """What one wake-up of a loop writes and asks, in one transaction."""
-
-    inserts: Sequence[tuple[Any, ...]] = ()
-    """For each request enqueued since the last batch: (key, state, request, run_at, ...)."""
-    outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
-    """(kind, id, values) for each attempt that ended: see Connection.run."""
-    claim: int = 0
-    """How many ready rows to claim."""
-    renew: bool = False
-    """Renew this process's leases, and report which it still holds."""
-    watched: Sequence[int] = ()
-    """Ids whose final state is asked for."""
-    prune: bool = False
-    finished_since: float | None = None
-    """Report the ids of the queue's requests that became final at or after this time."""
-    started: Sequence[int] = ()
-    """Ids of attempts that started since their row was claimed, and still run."""
-    isolate: bool = False
-    """Insert each row in a savepoint of its own: a row the store refuses is reported
-    in BatchResult.refused, and the rest of the batch commits (see Connection.run)."""
-
-
-@attrs.define(eq=False)
-class BatchResult:
-    inserted: list[tuple[int, bool]] = attrs.Factory(list)
-    """For each insert: (id, whether it is new; False: its key was live)."""
-    applied: list[str | None] = attrs.Factory(list)
-    """For each outcome: the state it wrote, or None if this process no longer held the lease."""
-    claimed: list[Claimed] = attrs.Factory(list)
-    next_due: float | None = None
-    mine: dict[int, bool] | None = None
-    """With renew: the running requests this process holds, and whether each is to be cancelled."""
-    finals: list[Row] = attrs.Factory(list)
-    pruned: int = 0
-    now: float = 0.0
-    """The transaction's time."""
-    shift: float = 0.0
-    """The store's clock minus this process's (time.time()), never less: see Connection._now."""
-    missing: list[int] = attrs.Factory(list)
-    """Watched ids with no row at all: deleted by a retention before they were read."""
-    recent: list[int] = attrs.Factory(list)
-    """With finished_since: the ids that became final since then."""
-    live: int = 0
-    """1 if any request of the queue is queued, scheduled, running or retrying, in any process."""
-    refused: dict[int, str] = attrs.Factory(dict)
-    """With isolate: for each insert the store refused, by its position in Batch.inserts,
-    the error in one line; its entry in inserted is (0, False)."""
-
-
 def _shifted(
     outcome: tuple[str, int, tuple[Any, ...]], shift: float
 ) -> tuple[str, int, tuple[Any, ...]]:
@@ -408,6 +333,10 @@ class SqliteStore:
 
     def __repr__(self) -> str:
         return f"tickler.SqliteStore({str(self.path)!r}, synchronous={self.synchronous!r})"
+
+    def use_codec(self, queue: str, codec: Codec) -> None:
+        """Encode what ``enqueue_in`` writes to ``queue`` with ``codec`` (its service's)."""
+        self._codecs[queue] = codec
 
     def listener(self, queue: str) -> None:
         """Nothing tells a SQLite file's readers about new rows: they poll."""

@@ -20,8 +20,7 @@ import trio
 
 from ._codec import Codec
 from ._exceptions import TicklerError
-from ._postgres import PostgresStore
-from ._sqlite import Batch, BatchResult, Connection, Row, SqliteStore
+from ._stores._seam import Batch, BatchResult, Row, Session, Store
 from ._ticket import Status, Ticket
 
 SWEEP_EVERY = 30
@@ -60,10 +59,10 @@ class Withdrawn(Exception):
 class StoreRun:
     """The state of one service's run against its store."""
 
-    store: SqliteStore | PostgresStore
+    store: Store
     codec: Codec
     owner: str = attrs.Factory(lambda: uuid.uuid4().hex)
-    connection: Connection | None = None
+    connection: Session | None = None
     limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     # Enqueued since the last batch, under the service's lock.
     pending: list[Pending] = attrs.Factory(list)
@@ -118,7 +117,7 @@ class StoreRun:
         scope.cancel()
         return True
 
-    def connection_for(self, what: str) -> Connection:
+    def connection_for(self, what: str) -> Session:
         if self.connection is None:
             raise RuntimeError(f"{what}() needs the service to be running")
         return self.connection

@@ -128,18 +128,13 @@ class _Reading:
     """Whether the store was read; None when it was not tried (no store, not running)."""
 
 
-def _is_running(service: Service[Any, Any]) -> bool:
-    return service._token is not None and not service._finished.is_set()
-
-
 def _store_open(service: Service[Any, Any]) -> bool:
     """Whether store_statistics() can be awaited now (the final flush has not closed it)."""
-    stored = service._store_run
-    return stored is not None and stored.connection is not None and _is_running(service)
+    return service.store is not None and service.running
 
 
 def _read_directly(service: Service[Any, Any]) -> _Reading:
-    return _Reading(service.name, service.statistics(), service._store_run is not None)
+    return _Reading(service.name, service.statistics(), service.store is not None)
 
 
 async def _read_in_run(services: list[Service[Any, Any]]) -> list[_Reading]:
@@ -234,8 +229,8 @@ class Collector:
         read: dict[int, _Reading] = {}
         runs: dict[trio.lowlevel.TrioToken, list[int]] = {}
         for index, service in enumerate(self._services):
-            token = service._token
-            if token is None or not _is_running(service):
+            token = service.trio_token
+            if token is None or not service.running:
                 read[index] = _read_directly(service)
             else:
                 runs.setdefault(token, []).append(index)

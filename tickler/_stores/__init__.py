@@ -1,0 +1,1 @@
+"""The stores: the seam the engine calls, and each database behind it."""
