@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from . import _lowlevel
 from ._core import (
     _CANCELLED,
     _EMPTY_CONTEXT,
@@ -39,25 +40,6 @@ _T = TypeVar("_T")
 
 # With a store, the most a process claims ahead of its free slots, in capacities.
 _AHEAD = 8
-
-
-def _offset_of(clock: trio.abc.Clock) -> float:
-    """For Trio's default clock, its offset from ``time.perf_counter()``; else 0.
-
-    Trio's default clock reads ``offset + perf_counter()`` through a Python
-    method. The hot paths read the same sum themselves, which costs a tenth
-    of the call. The formula is checked against the clock before it is used.
-    """
-    kind = type(clock)
-    offset = getattr(clock, "offset", None)
-    if (kind.__module__, kind.__qualname__) != ("trio._core._run", "SystemClock") or (
-        type(offset) is not float or not offset
-    ):
-        return 0.0
-    before = clock.current_time()
-    read = offset + time.perf_counter()
-    after = clock.current_time()
-    return offset if before <= read <= after else 0.0
 
 
 class _Loop(_Processors[RequestT, ResultT]):
@@ -94,7 +76,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             self._token = trio.lowlevel.current_trio_token()
             self._thread = _get_ident()
             # The offset first: a thread that sees the timer sees its offset.
-            self._timer, self._offset = None, _offset_of(clock)
+            self._timer, self._offset = None, _lowlevel.clock_offset(clock)
             self._timer = time.perf_counter if self._offset else clock.current_time
             for ticket in self._queue:
                 ticket.enqueued_at = now

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
+from . import _lowlevel
 from ._core import (
     _CANCELLED,
     _EMPTY_CONTEXT,
@@ -44,13 +45,6 @@ if TYPE_CHECKING:
 
 _Coroutine = types.CoroutineType
 
-# Processors check before every start whether their scope is cancelled. Trio's
-# public ways to ask (current_effective_deadline, checkpoint_if_cancelled)
-# cost up to a tenth of a request; the flag they read costs two attribute
-# loads. Refuse to import against a Trio that no longer has it, rather than
-# start requests in a cancelled run.
-if not hasattr(trio.lowlevel.Task, "_cancel_status"):  # pragma: no cover
-    raise ImportError("tickler needs trio.lowlevel.Task._cancel_status; check the trio version")
 # A processor that keeps its slot yields to the scheduler after this many
 # requests in a row, even if every handler returned without yielding.
 _CHAIN_BUDGET = 64
@@ -207,6 +201,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
         attempt = _ATTEMPTS[task] = _Attempt(self, withdrawable)
+        # Whether this task is cancelled, read once per start: see _lowlevel.
+        cancel_status = _lowlevel.cancel_status(task)
+        ended = False
         try:
             # The enqueuer's context whose variables this task's context holds
             # now, with the variables and values set and the tokens to undo them.
@@ -232,14 +229,19 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 # The last handler set variables of its own. They
                                 # must not reach this attempt, which starts in a
                                 # fresh context once this step has ended.
-                                task.context = _EMPTY_CONTEXT.copy()
+                                if not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
+                                    # Trio does not let it be replaced: the
+                                    # request goes to a new task, and this ends.
+                                    self._in_flight -= 1
+                                    self._put_back(ticket, offset + timer())
+                                    break
                                 await trio.lowlevel.cancel_shielded_checkpoint()
                                 context = task.context
                                 now = offset + timer()
                             if captured:
                                 held_tokens = [var.set(value) for var, value in captured.items()]
                                 held = captured
-                        if not self._may_start or task._cancel_status.effectively_cancelled:
+                        if not self._may_start or cancel_status.effectively_cancelled:
                             self._in_flight -= 1
                             if self._withdrawn_only(withdrawable):
                                 # cancel() took this processor's last attempt
@@ -389,8 +391,8 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                     if held is not None:
                         _reset(held_tokens)
                         held = held_tokens = None  # type: ignore[assignment]
-                    if task.context:
-                        task.context = _EMPTY_CONTEXT.copy()
+                    if task.context and not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
+                        ended = True  # a new task starts the next request
                     # A completion that frees a slot tickles the loop.
                     self._limiter.release_on_behalf_of(slot)
                     self._tickle()
@@ -403,6 +405,8 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             self._in_flight,
                             self._capacity,
                         )
+                if ended:
+                    return
                 handed = await self._park()
                 if handed is None:
                     return
