@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+
 import pytest
 import trio
 import trio.testing
