@@ -1,61 +1,210 @@
-"""The README's example and the demo keep working."""
+"""README.md and docs/: every code block is named, every Python block runs; and the demo.
+
+Each fenced block on a page carries its name in the ``<!-- example: NAME -->``
+line just above its fence, and the tests find it by that name (on its page),
+never by its position. A block without a name fails the suite. Every Python
+block runs here, in a subprocess, and must print what ``OUTPUTS`` says, but
+for docs/recipes.md's, which tests/test_recipes.py saves as files and runs
+with real servers. Shell, console, SQL and text blocks are shown, not run;
+the README's setup commands and the SQLite page's INSERT are checked below.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
+import sqlite3
 import subprocess
 import sys
+import textwrap
+import tomllib
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 import demo
+import tickler
 
 ROOT = Path(__file__).parent.parent
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+MARKER = re.compile(r"<!-- example: (\S+) -->")
+FENCE = "```"
+LANGUAGES = {"python", "sh", "console", "sql", "text"}
 
 
-EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+@attrs.frozen
+class Block:
+    language: str
+    code: str
 
 
-@pytest.mark.parametrize(
-    ("index", "output"),
-    [
-        (0, "sent to user0@example.com\n20\n"),
-        (1, "50\n50 0\n"),
-        (2, "delivered 'hello' on attempt 3\n2\n"),
-        (3, "['create 1', 'create 1', 'start 1']\n1\n"),
-        (4, "1 invoice for order 42\n1\n"),
-    ],
-)
-def test_readme_examples_run(index: int, output: str) -> None:
-    """Each Python example in the README runs as written and prints what it shows."""
-    result = subprocess.run(  # noqa: S603 - our own interpreter on our own README
-        [sys.executable, "-c", EXAMPLES[index]],
+def read_blocks(text: str) -> dict[str, Block]:
+    """Every fenced block of ``text`` by the name in the marker line just above it.
+
+    A block without a marker, or a name given twice, raises ``ValueError``:
+    no block can escape the tests. A block indented under a list item loses
+    its fence's indentation.
+    """
+    blocks: dict[str, Block] = {}
+    lines = text.splitlines(keepends=True)
+    name: str | None = None
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        index += 1
+        if not line.lstrip().startswith(FENCE):
+            marker = MARKER.fullmatch(line.strip())
+            name = marker[1] if marker is not None else None
+            continue
+        if name is None:
+            raise ValueError(f"line {index}: a code block without a name")
+        if name in blocks:
+            raise ValueError(f"two blocks named {name!r}")
+        start = index
+        while lines[index].strip() != FENCE:
+            index += 1
+        code = textwrap.dedent("".join(lines[start:index]))
+        blocks[name] = Block(line.strip().removeprefix(FENCE), code)
+        index += 1
+        name = None
+    return blocks
+
+
+def page_name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+BLOCKS: dict[str, dict[str, Block]] = {}
+UNNAMED: dict[str, str] = {}
+for _path in PAGES:
+    try:
+        BLOCKS[page_name(_path)] = read_blocks(_path.read_text())
+    except ValueError as _error:
+        UNNAMED[page_name(_path)] = str(_error)
+
+# What each Python block prints, by its page and name.
+OUTPUTS = {
+    ("README.md", "send-email"): "sent to user0@example.com\n20\n",
+    ("docs/tutorial.md", "start-join-stop"): (
+        "['resized photo0.jpg', 'resized photo1.jpg', 'resized photo2.jpg',"
+        " 'resized photo3.jpg']\n[]\n4 True\n"
+    ),
+    ("docs/tutorial.md", "keys-and-delays"): (
+        "True SCHEDULED\n30 s: reminder for grace\n60 s: reminder for ada\n1\n"
+    ),
+    ("docs/tutorial.md", "a-full-queue"): (
+        "upload 2 refused: the queue is full\nupload 3 refused: the queue is full\n"
+        "upload 4 accepted as request #3\n3 2\n"
+    ),
+    ("docs/reference.md", "submit-from-a-thread"): "50\n50 0\n",
+    ("docs/failures.md", "retry"): "delivered 'hello' on attempt 3\n2\n",
+    ("docs/failures.md", "follow-up-with-a-key"): "['create 1', 'create 1', 'start 1']\n1\n",
+    ("docs/stores/sqlite.md", "invoice"): "1 invoice for order 42\n1\n",
+    ("docs/observability.md", "prometheus"): (
+        'tickler_requests_succeeded_total{service="mailer"} 3.0\n'
+    ),
+}
+# The Python blocks that tests/test_recipes.py saves as files and runs.
+RECIPES = {("docs/recipes.md", name) for name in ("app.py", "serve.py", "test_welcome.py")}
+
+
+def test_every_block_is_named() -> None:
+    """Each page's code blocks have names, given once; a page without them fails here."""
+    assert UNNAMED == {}
+    with pytest.raises(ValueError, match="without a name"):
+        read_blocks("Text.\n\n```python\npass\n```\n")
+    with pytest.raises(ValueError, match="two blocks named 'a'"):
+        read_blocks("<!-- example: a -->\n```sh\nls\n```\n<!-- example: a -->\n```sh\nls\n```\n")
+    assert read_blocks("- item:\n\n  <!-- example: b -->\n  ```sql\n  SELECT 1\n  ```\n") == {
+        "b": Block("sql", "SELECT 1\n")
+    }
+
+
+def test_every_python_block_is_run() -> None:
+    """The Python blocks are exactly the ones run below or by tests/test_recipes.py."""
+    found = {
+        (page, name)
+        for page, blocks in BLOCKS.items()
+        for name, block in blocks.items()
+        if block.language == "python"
+    }
+    assert found == set(OUTPUTS) | RECIPES
+    languages = {block.language for blocks in BLOCKS.values() for block in blocks.values()}
+    assert languages <= LANGUAGES  # a ```py block would escape the runs
+
+
+@pytest.mark.parametrize(("page", "name"), sorted(OUTPUTS), ids="::".join)
+def test_python_block_prints_what_it_shows(tmp_path: Path, page: str, name: str) -> None:
+    """The block runs as written, in a directory of its own, and prints what it shows."""
+    result = subprocess.run(  # noqa: S603 - our own interpreter on our own docs
+        [sys.executable, "-c", BLOCKS[page][name].code],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
         timeout=60,
     )
-    assert result.stdout == output
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == OUTPUTS[page, name]
 
 
-def test_every_readme_example_is_tested() -> None:
-    """No Python example in the README escapes the test above."""
-    assert len(EXAMPLES) == 5
+def test_readme_is_a_front_door() -> None:
+    """At most 300 lines, with one Python example; the rest lives on six pages or more."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    readme = BLOCKS["README.md"]
+    assert [name for name, block in readme.items() if block.language == "python"] == ["send-email"]
+    assert len([page for page in BLOCKS if page.startswith("docs/")]) >= 6
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    found: set[str] = set()
+    for line in re.sub(r"^ *```.*?^ *```", "", text, flags=re.M | re.S).splitlines():
+        if heading := re.match(r"#{1,6} (.*)", line):
+            base = anchor = slug(heading[1])
+            number = 0
+            while anchor in found:
+                number += 1
+                anchor = f"{base}-{number}"
+            found.add(anchor)
+    return found
+
+
+def links(text: str) -> list[str]:
+    """The targets of the page's Markdown links, outside code."""
+    prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.M | re.S)
+    prose = re.sub(r"`[^`]*`", "", prose)
+    return re.findall(r"\]\(([^)\s]+)\)", prose)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=page_name)
+def test_links_reach_their_pages_and_headings(path: Path) -> None:
+    """Every relative link names a file that exists, and a heading of it that exists."""
+    for target in links(path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{page_name(path)}: {target}"
+        if anchor:
+            assert anchor in anchors(linked.read_text()), f"{page_name(path)}: {target}"
 
 
 def test_readme_says_how_a_user_installs_each_extra() -> None:
     """The install block names this distribution, and only extras it has."""
-    import importlib.metadata
-    import tomllib
-
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "trio-tickler"  # "tickler" on PyPI is another project
-    section = README.split("## Install\n", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```sh\n(.*?)\n```", section, flags=re.DOTALL)
-    installs = [line.split("#")[0].split()[-1].strip("'") for line in block.splitlines()]
+    section = (ROOT / "README.md").read_text().split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = BLOCKS["README.md"]["install"]
+    assert block.language == "sh"
+    assert f"<!-- example: install -->\n```sh\n{block.code}```\n" in section
+    installs = [line.split("#")[0].split()[-1].strip("'") for line in block.code.splitlines()]
     assert installs == ["trio-tickler", "trio-tickler[postgres]", "trio-tickler[prometheus]"]
     extras = set(project["optional-dependencies"])
     installed = set(importlib.metadata.metadata("trio-tickler").get_all("Provides-Extra") or ())
@@ -66,21 +215,42 @@ def test_readme_says_how_a_user_installs_each_extra() -> None:
     assert "pip install '.[postgres,prometheus]'" in section
 
 
+COMMANDS = [
+    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python demo.py",
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
+]
+
+
 def test_readme_gives_the_two_setup_commands() -> None:
     """The README's commands are the ones .ci/run executes."""
-    ci = (ROOT / ".ci" / "run").read_text()
-    commands = [
-        block
-        for block in re.findall(r"```sh\n(.*?)\n```", README)
-        if block.startswith("python3 -m venv")
-    ]
-    assert commands[:2] == [
-        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python demo.py",
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest",
-    ]
-    ci_lines = ci.splitlines()
-    for step in commands[1].split(" && "):  # CI runs the test command step by step
+    readme = BLOCKS["README.md"]
+    demo_command, test_command = readme["run-the-demo"], readme["run-the-tests"]
+    assert (demo_command.language, test_command.language) == ("sh", "sh")
+    assert [demo_command.code, test_command.code] == [f"{command}\n" for command in COMMANDS]
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    for step in COMMANDS[1].split(" && "):  # CI runs the test command step by step
         assert step in ci_lines
+
+
+async def double(number: int) -> int:
+    await trio.sleep(0)
+    return 2 * number
+
+
+async def test_the_sqlite_pages_insert_for_other_drivers(tmp_path: Path) -> None:
+    """docs/stores/sqlite.md's INSERT, run through sqlite3, makes a request the service runs."""
+    insert = BLOCKS["docs/stores/sqlite.md"]["insert-from-another-driver"]
+    assert insert.language == "sql"
+    store = tickler.SqliteStore(tmp_path / "queue.db", poll_interval=0.05)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        connection = sqlite3.connect(store.path)
+        with connection:
+            connection.execute(insert.code, {"queue": "jobs", "request": b"21"})
+        connection.close()
+        with trio.fail_after(10):
+            while (found := await service.lookup(1)) is None or not found.done:
+                await trio.sleep(0.02)
+        assert found.result() == 42
 
 
 async def test_demo_runs_the_dance(
