@@ -761,7 +761,8 @@ async def test_store_statistics_count_claimed_ahead_rows_apart_from_running(
         for value in (0, 1, *range(100, 110)):
             svc.enqueue_request(value)
         with trio.fail_after(10):
-            while (svc.statistics().in_flight, svc.statistics().queued) != (2, 4):
+            # (How many depends on how the quick ones' outcomes fall into batches.)
+            while svc.statistics().in_flight < 2 or svc.statistics().queued == 0:
                 await trio.sleep(0.01)
             while (counts := await svc.store_statistics())["running"] < 2:
                 await trio.sleep(0.01)

@@ -105,10 +105,12 @@ class _ServiceCore(Generic[RequestT, ResultT]):
         "_closed",
         "_debug",
         "_deduplicated",
+        "_doomed",
         "_draining",
         "_failed",
         "_finished",
         "_foreign_pending",
+        "_handed",
         "_handler",
         "_heap",
         "_heap_seq",
@@ -186,6 +188,10 @@ class _ServiceCore(Generic[RequestT, ResultT]):
     _heap: list[tuple[float, int, Ticket[RequestT, ResultT]]]
     _heap_seq: itertools.count[int]
     _idle: list[_Parked]
+    # Requests handed to a processor that has not started them, by id; and
+    # those of them cancel() took, which the processor ends unstarted.
+    _handed: dict[int, Ticket[RequestT, ResultT]]
+    _doomed: set[Ticket[RequestT, ResultT]]
     # counters
     _last_id: int
     _started: int

@@ -130,7 +130,11 @@ class _Loop(_Processors[RequestT, ResultT]):
                 # queue's other work to other processes.
                 ahead = min(2 * len(stored.outcomes), _AHEAD * self._capacity)
                 free = self._capacity + ahead - self._in_flight - len(queue)
-                claim = free if self._may_start and not self._stop_called and free > 0 else 0
+                claim = (
+                    free
+                    if self._may_start and not self._stop_called and free > 0 and not stored.holds
+                    else 0
+                )
                 # Looks are scheduled on Trio's clock, never the wall clock:
                 # a step of the wall clock must not stall the loop.
                 batch, pending, outcomes = stored.build(self._lock, claim, self._time())
@@ -247,6 +251,8 @@ class _Loop(_Processors[RequestT, ResultT]):
                 continue
             stored.tickets.pop(request_id, None)
             if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
+                if kind in ("handed_back", "returned") and ticket in self._stopped_tickets:
+                    self._stopped_tickets.remove(ticket)  # the stop handed back none of it
                 kind = "cancelled"
             if kind == "succeeded":
                 self._succeeded += 1
@@ -542,6 +548,8 @@ class _Loop(_Processors[RequestT, ResultT]):
             if ticket is None:
                 return now
             slot = _Slot(ticket.id)
+            # Handed to a processor that has yet to start it: cancel() finds it here.
+            self._handed[ticket.id] = ticket
             limiter.acquire_on_behalf_of_nowait(slot)
             if self._idle:
                 # A parked processor takes the start: no task spawn.
@@ -669,8 +677,17 @@ class _Loop(_Processors[RequestT, ResultT]):
         if self._store_run is None:
             return await self._cancel_in_memory(id_or_key)
         stored = self._require_store("cancel")
-        await self._settle_accepted(stored)
-        found, request_id = await self._in_store(stored.connection_for("cancel").cancel, id_or_key)
+        # Nothing is claimed meanwhile: a request enqueued just before must not
+        # start between its commit and the cancel.
+        stored.holds += 1
+        try:
+            await self._settle_accepted(stored)
+            found, request_id = await self._in_store(
+                stored.connection_for("cancel").cancel, id_or_key
+            )
+        finally:
+            stored.holds -= 1
+            self._tickle()
         if found:
             assert request_id is not None
             # Running here: no need to wait for the next look at the store.
@@ -692,34 +709,16 @@ class _Loop(_Processors[RequestT, ResultT]):
             _check_key(id_or_key)
         self._check_run("used")
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            if self._cancel_found(id_or_key, by_id):
-                found = True
-                break
-            # Not waiting, not running: final, unknown, or taken by a
-            # processor that has yet to start it (it starts at its next step).
-            if not self._taken_unstarted():
-                found = False
-                break
-            await trio.lowlevel.cancel_shielded_checkpoint()
+        found = bool(self._cancel_found(id_or_key, by_id))
         await trio.lowlevel.cancel_shielded_checkpoint()
         return found
-
-    def _taken_unstarted(self) -> int:
-        """How many requests processors have taken and not started yet (in memory)."""
-        running = sum(
-            1
-            for attempt in _ATTEMPTS.values()
-            if attempt.service is self
-            and attempt.ticket is not None
-            and attempt.ticket.status is _RUNNING
-        )
-        return self._in_flight - running
 
     @trio.lowlevel.enable_ki_protection
     def _cancel_found(self, id_or_key: object, by_id: bool) -> bool | None:
         """Cancel the live request if found waiting or running (True); else None."""
         now = self._time()
+        if now is None:  # before the run: as a stop then, on the caller's clock
+            now = trio.current_time()
         ticket: Ticket[RequestT, ResultT] | None = None
         removed: Ticket[RequestT, ResultT] | None = None
         with self._lock:
@@ -745,7 +744,9 @@ class _Loop(_Processors[RequestT, ResultT]):
                         removed = entry
                         break
         if removed is not None:
-            self._finish_cancelled(removed, now)
+            # A queued request frees a place in the queue; a scheduled one
+            # too (it counted against the bound).
+            self._finish_cancelled(removed, now, frees_room=True)
             return True
         for index, (_, _, entry) in enumerate(self._heap):
             if entry is ticket or (by_id and ticket is None and entry.id == id_or_key):
@@ -753,7 +754,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._heap.pop()
                 heapq.heapify(self._heap)
                 if entry.status is _SCHEDULED:
-                    self._unschedule()
+                    self._unschedule()  # (which gives its place to a submit() waiter)
                 else:
                     self._retrying -= 1
                 self._finish_cancelled(entry, now)
@@ -770,17 +771,22 @@ class _Loop(_Processors[RequestT, ResultT]):
                     attempt.withdrawn = running
                     assert attempt.scope is not None
                     attempt.scope.cancel()
+                    # Its key is free from now: a replacement enqueued next
+                    # is a request of its own.
+                    self._release_key(running)
                 return True
-        # Final, unknown, or taken by a processor that has yet to start it.
+        # Handed to a processor that has not started it: it never starts.
+        if ticket is not None:
+            handed = self._handed.get(ticket.id)
+        else:
+            handed = self._handed.get(id_or_key) if by_id else None  # type: ignore[call-overload]
+        if handed is not None and (ticket is None or handed is ticket):
+            del self._handed[handed.id]
+            self._doomed.add(handed)
+            self._release_key(handed)
+            self._tickle()
+            return True
         return None
-
-    def _finish_cancelled(self, ticket: Ticket[RequestT, ResultT], now: float | None) -> None:
-        """A waiting request ends CANCELLED by cancel()."""
-        self._cancelled += 1
-        self._finish(ticket, _CANCELLED, (now, None))
-        if self._submitters:
-            self._room.unpark()
-        self._tickle()
 
     async def lookup(self, id_or_key: int | Hashable) -> Ticket[Any, Any] | None:
         """The request's state as the store has it, from any process; None if unknown.
@@ -796,12 +802,16 @@ class _Loop(_Processors[RequestT, ResultT]):
         if row is None:
             return None
         status = Status(row.state)
-        request = stored.codec.decode(row.request)
+        try:
+            request = stored.codec.decode(row.request)
+        except Exception:
+            request = None  # another codec's bytes: the ticket's state still holds
         ticket: Ticket[Any, Any] = Ticket(
             request, row.id, status, row.attempts, row.enqueued_at, row.started_at, _EMPTY
         )
         if status in FINAL:
-            ticket._state = stored.decode_row(row)[1]
+            # (A result this codec cannot decode fails the ticket with the error.)
+            ticket.status, ticket._state = self._decoded(stored, row)
         elif not self._finished.is_set():
             # The ticket follows the row to its final state, wherever it
             # runs: this process's looks at the store finish it (the next

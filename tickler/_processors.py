@@ -203,6 +203,10 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         attempt = _ATTEMPTS[task] = _Attempt(self, withdrawable)
         # Whether this task is cancelled, read once per start: see _lowlevel.
         cancel_status = _lowlevel.cancel_status(task)
+        # Requests cancel() took after a processor was handed them, before
+        # they started (an alias: the set itself is the service's).
+        doomed = self._doomed
+        self._handed.pop(ticket.id, None)
         ended = False
         try:
             # The enqueuer's context whose variables this task's context holds
@@ -235,14 +239,27 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                     self._in_flight -= 1
                                     self._put_back(ticket, offset + timer())
                                     break
+                                # Taken, not started, across a checkpoint:
+                                # cancel() finds it here meanwhile.
+                                self._handed[ticket.id] = ticket
                                 await trio.lowlevel.cancel_shielded_checkpoint()
+                                self._handed.pop(ticket.id, None)
                                 context = task.context
                                 now = offset + timer()
                             if captured:
                                 held_tokens = [var.set(value) for var, value in captured.items()]
                                 held = captured
-                        if not self._may_start or cancel_status.effectively_cancelled:
+                        if (
+                            not self._may_start
+                            or cancel_status.effectively_cancelled
+                            or (doomed and ticket in doomed)
+                        ):
                             self._in_flight -= 1
+                            if doomed and ticket in doomed:
+                                # cancel() took it before it started.
+                                doomed.discard(ticket)
+                                self._finish_cancelled(ticket, offset + timer())
+                                break
                             if self._withdrawn_only(withdrawable):
                                 # cancel() took this processor's last attempt
                                 # away: the request taken next goes back, and
@@ -321,6 +338,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                         except BaseException as exc:
                             # Cancelled, KeyboardInterrupt and the like: record the
                             # request's final state and let the exception go on.
+                            cancelled = self._abort_mixed(ticket, exc, context)
+                            if cancelled is not None:
+                                raise cancelled from None
                             self._abort(ticket, exc)
                             raise
                         else:
@@ -360,7 +380,13 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             chained = 0
                             await trio.lowlevel.cancel_shielded_checkpoint()
                             now = offset + timer()
-                        if not self._may_start or self._in_flight >= self._capacity:
+                        if (
+                            not self._may_start
+                            or self._in_flight >= self._capacity
+                            or cancel_status.effectively_cancelled
+                        ):
+                            # (Cancelled: by cancel(), a stop or a crash; the
+                            # processor takes nothing more, and ends.)
                             break
                         if heap and heap[0][0] <= now:
                             following = self._take(now)
@@ -412,6 +438,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                     return
                 ticket, slot = handed
                 handed = None
+                self._handed.pop(ticket.id, None)
                 now = offset + timer()
                 chained = 0
         finally:
@@ -518,7 +545,16 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         self._call_on_error(ticket, exc, context)
 
     def _refused_by_stop(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is (or was caused by) this service refusing an enqueue once closed."""
+        """Whether ``exc`` is (or was caused by) this service refusing an enqueue once closed.
+
+        A group (the handler's nursery) is, if each of its errors is, or is
+        a cancellation.
+        """
+        if isinstance(exc, BaseExceptionGroup):
+            return all(
+                isinstance(inner, trio.Cancelled) or self._refused_by_stop(inner)
+                for inner in exc.exceptions
+            ) and not _is_cancellation(exc)
         seen = 0
         error: BaseException | None = exc
         while error is not None and seen < 10:
@@ -668,6 +704,35 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             return
         self._record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
 
+    def _abort_mixed(
+        self, ticket: Ticket[RequestT, ResultT], exc: BaseException, context: contextvars.Context
+    ) -> BaseException | None:
+        """An attempt cancelled whose handler's nursery also raised errors: those, apart.
+
+        The errors fail the request (never retried: it was cancelled) in
+        memory; with a store the cancellation decides, as for any attempt
+        taken away, and the errors are logged. Returns the cancellation to
+        raise on, or None if ``exc`` is not such a mix.
+        """
+        if not isinstance(exc, BaseExceptionGroup):
+            return None
+        cancelled, errors = exc.split(trio.Cancelled)
+        if cancelled is None or errors is None or not isinstance(errors, Exception):
+            return None
+        if self._store_run is not None:
+            logger.warning(
+                "request #%d raised as its attempt was cancelled: %s", ticket.id, _one_line(errors)
+            )
+            self._abort(ticket, cancelled)
+            return cancelled
+        now = self._time()
+        assert now is not None
+        attempt = _ATTEMPTS.get(trio.lowlevel.current_task())
+        if attempt is not None and attempt.withdrawn is None:
+            attempt.withdrawn = ticket  # no retry: the attempt was cancelled
+        self._attempt_failed(ticket, errors, now, context)
+        return cancelled
+
     @trio.lowlevel.enable_ki_protection
     def _abort(self, ticket: Ticket[RequestT, ResultT], exc: BaseException) -> None:
         self._in_flight -= 1
@@ -729,6 +794,20 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         self._cancelled += 1
         if stopped:
             self._stopped_tickets.append(ticket)
+
+    def _finish_cancelled(
+        self, ticket: Ticket[RequestT, ResultT], now: float | None, *, frees_room: bool = False
+    ) -> None:
+        """A request that had not started ends CANCELLED by cancel().
+
+        ``frees_room``: it held a place in the queue, which a submit() waiter
+        may now take.
+        """
+        self._cancelled += 1
+        self._finish(ticket, _CANCELLED, (now, None))
+        if frees_room and self._submitters:
+            self._room.unpark()
+        self._tickle()
 
     def _cancel_asked(self, ticket: Ticket[RequestT, ResultT]) -> bool:
         """Whether cancel() took the calling processor's attempt of ``ticket`` away (in memory)."""

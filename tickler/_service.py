@@ -198,6 +198,8 @@ class Service(_Loop[RequestT, ResultT]):
         self._submitters = 0
         # Processors with nothing to do, parked until the loop hands them a start.
         self._idle: list[_Parked] = []
+        self._handed: dict[int, Ticket[RequestT, ResultT]] = {}
+        self._doomed: set[Ticket[RequestT, ResultT]] = set()
 
         self._last_id = 0  # also the `enqueued` counter
         self._started = 0

@@ -95,6 +95,8 @@ class StoreRun:
     # request accepted before them is settled, so that they see it.
     accepted: int = 0
     settled: int = 0
+    # cancel() calls under way: batches claim nothing meanwhile.
+    holds: int = 0
     # Requests the store refused once in an isolated batch, and its error.
     refused_once: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
     # When the next look at the store is due, on Trio's clock.
@@ -113,6 +115,8 @@ class StoreRun:
         scope = self.scopes.get(request_id)
         if scope is None:
             return False
+        if self.reasons.get(request_id) == "cancelled":
+            return True  # a cancel already took it: a stop's hand-back does not undo that
         self.reasons[request_id] = reason
         scope.cancel()
         return True

@@ -1,6 +1,6 @@
 """Prometheus metrics of tickler services: :class:`Collector`.
 
-Needs the ``prometheus`` extra (``pip install 'tickler[prometheus]'``, which
+Needs the ``prometheus`` extra (``pip install 'trio-tickler[prometheus]'``, which
 brings ``prometheus_client``); ``import tickler`` itself does not.
 
 ::
@@ -29,7 +29,7 @@ try:
     from prometheus_client.utils import floatToGoString as _float_to_go_string
 except ImportError as exc:  # pragma: no cover - tested in a subprocess
     raise ImportError(
-        "tickler.prometheus needs prometheus_client: pip install 'tickler[prometheus]'"
+        "tickler.prometheus needs prometheus_client: pip install 'trio-tickler[prometheus]'"
     ) from exc
 
 from ._core import logger
