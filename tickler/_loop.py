@@ -89,15 +89,12 @@ class _Loop(_Processors[RequestT, ResultT]):
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
-                if stored is None:
-                    await self._supervise()
-                else:
-                    listening = stored.store.listener(self.name)
-                    listener_scope = trio.CancelScope()
-                    if listening is not None:
-                        nursery.start_soon(self._listen, listening, listener_scope)
-                    await self._supervise_store(stored)
-                    listener_scope.cancel()
+                listener_scope = trio.CancelScope()
+                listening = stored.store.listener(self.name) if stored is not None else None
+                if listening is not None:
+                    nursery.start_soon(self._listen, listening, listener_scope)
+                await self._supervise(stored)
+                listener_scope.cancel()
         finally:
             if stored is not None:
                 # Whatever ended the run, commit what was accepted and hand
@@ -108,90 +105,66 @@ class _Loop(_Processors[RequestT, ResultT]):
                 await self._final_flush(stored)
             self._wind_down(self._time())
 
-    async def _supervise_store(self, stored: StoreRun) -> None:
-        """The loop with a store: one batch per wake-up, then dispatch, then sleep.
+    async def _exchange(self, stored: StoreRun) -> bool | None:
+        """One batch with the store: write what was accepted and what ended, renew, claim.
 
-        It wakes when tickled (an enqueue, an attempt that ended), when its
-        next look at the store is due (lease renewals, cancels, work from
-        other processes, outcomes waited for), when the next row falls due,
-        or at the stop's deadline.
+        Returns whether the batch was a look (renewals, cancels, outcomes from
+        elsewhere; join() waits for one), or None if it failed: then it has
+        backed off, and the loop goes round again.
         """
-        assert self._signal_rx is not None
-        receive = self._signal_rx.receive
-        queue = self._queue
-        try:
-            while True:
-                # Claim for every free slot, and some more to wait in the queue,
-                # so that processors go on while the next batch commits: twice
-                # the attempts that ended since the last batch (the rate at
-                # which slots free up; twice, so that a starved pipeline grows),
-                # at most _AHEAD capacities' worth. Slots that do not free up
-                # (long handlers) make it claim nothing ahead, leaving the
-                # queue's other work to other processes.
-                ahead = min(2 * len(stored.outcomes), _AHEAD * self._capacity)
-                free = self._capacity + ahead - self._in_flight - len(queue)
-                claim = (
-                    free
-                    if self._may_start and not self._stop_called and free > 0 and not stored.holds
-                    else 0
-                )
-                # Looks are scheduled on Trio's clock, never the wall clock:
-                # a step of the wall clock must not stall the loop.
-                batch, pending, outcomes = stored.build(self._lock, claim, self._time())
-                # After a failed batch, each insert goes in a savepoint of its
-                # own: a row the store refuses cannot hold back the others.
-                batch.isolate = stored.failures > 0
-                looked = False
-                if batch.inserts or batch.outcomes or batch.claim or batch.renew:
-                    result = await self._try_batch(stored, batch, pending, outcomes)
-                    if result is None:
-                        delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
-                        # A stop's deadline still holds: the final flush
-                        # then keeps trying to commit what was accepted.
-                        now = self._time()
-                        assert now is not None
-                        if self._stop_called and now >= self._stop_deadline:
-                            self._expire()
-                        await trio.sleep_until(min(now + delay, self._stop_deadline))
-                        continue
-                    stored.marked.update(batch.started)
-                    if batch.finished_since is not None:
-                        # Overlapping looks: a clock step back loses nothing.
-                        assert stored.connection is not None
-                        overlap = stored.connection.finals_overlap
-                        stored.finals_since = result.now - overlap
-                        stored.checks = stored.looks_begun  # one batch in flight at a time
-                        looked = True
-                    self._apply_batch(stored, result, pending, outcomes)
-                self._dispatch()
-                if self._stop_called:
-                    if not stored.has_work() and not queue and self._in_flight == 0:
-                        self._release_idle()
-                        return
-                    now = self._time()
-                    assert now is not None
-                    if now >= self._stop_deadline:
-                        self._expire()
-                    elif self._insiders:
-                        self._check_quiet()
-                # (join() also waits for a fresh look at the store.)
-                if self._idle_event is not None and (looked or self._is_idle()):
-                    self._idle_event.set()
-                    self._idle_event = None
-                # next_check is on Trio's clock; next_due on the store's (see
-                # BatchResult.shift), taken to Trio's through this instant's
-                # wall clock, so that a step of the wall clock moves both ends.
-                wake_at = min(self._stop_deadline, stored.next_check)
-                room = self._capacity - self._in_flight - len(queue)
-                if stored.next_due is not None and room > 0 and self._may_start:
-                    now = self._time()
-                    assert now is not None
-                    to_trio = now - wall_clock()
-                    wake_at = min(wake_at, stored.next_due - stored.shift + to_trio)
-                await self._sleep(receive, wake_at)
-        except BaseException:
-            self._may_start = self._draining = False
-            raise
+        # Claim for every free slot, and some more to wait in the queue,
+        # so that processors go on while the next batch commits: twice
+        # the attempts that ended since the last batch (the rate at
+        # which slots free up; twice, so that a starved pipeline grows),
+        # at most _AHEAD capacities' worth. Slots that do not free up
+        # (long handlers) make it claim nothing ahead, leaving the
+        # queue's other work to other processes. Nothing is claimed while
+        # a cancel() settles.
+        ahead = min(2 * len(stored.outcomes), _AHEAD * self._capacity)
+        free = self._capacity + ahead - self._in_flight - len(self._queue)
+        claiming = self._may_start and not self._stop_called and not stored.holds
+        claim = free if claiming and free > 0 else 0
+        # Looks are scheduled on Trio's clock, never the wall clock: a step
+        # of the wall clock must not stall the loop.
+        batch, pending, outcomes = stored.build(self._lock, claim, self._time())
+        # After a failed batch, each insert goes in a savepoint of its own:
+        # a row the store refuses cannot hold back the others.
+        batch.isolate = stored.failures > 0
+        if not (batch.inserts or batch.outcomes or batch.claim or batch.renew):
+            return False
+        result = await self._try_batch(stored, batch, pending, outcomes)
+        if result is None:
+            delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
+            # A stop's deadline still holds: the final flush then keeps
+            # trying to commit what was accepted.
+            now = self._time()
+            assert now is not None
+            if self._stop_called and now >= self._stop_deadline:
+                self._expire()
+            await trio.sleep_until(min(now + delay, self._stop_deadline))
+            return None
+        stored.marked.update(batch.started)
+        looked = batch.finished_since is not None
+        if looked:
+            # Overlapping looks: a clock step back loses nothing.
+            assert stored.connection is not None
+            stored.finals_since = result.now - stored.connection.finals_overlap
+            stored.checks = stored.looks_begun  # one batch in flight at a time
+        self._apply_batch(stored, result, pending, outcomes)
+        return looked
+
+    def _next_look(self, stored: StoreRun) -> float:
+        """When, on Trio's clock, the store needs the loop next: a look, or a row falling due."""
+        # next_check is on Trio's clock; next_due on the store's (see
+        # BatchResult.shift), taken to Trio's through this instant's wall
+        # clock, so that a step of the wall clock moves both ends.
+        wake_at = stored.next_check
+        room = self._capacity - self._in_flight - len(self._queue)
+        if stored.next_due is not None and room > 0 and self._may_start:
+            now = self._time()
+            assert now is not None
+            wake_at = min(wake_at, stored.next_due - stored.shift + now - wall_clock())
+        return wake_at
 
     async def _listen(self, listening: Any, scope: trio.CancelScope) -> None:
         """Tickle the loop whenever the store says another process enqueued on this queue."""
@@ -470,33 +443,45 @@ class _Loop(_Processors[RequestT, ResultT]):
             if connection is not None:
                 await trio.to_thread.run_sync(connection.close, limiter=stored.limiter)
 
-    async def _supervise(self) -> None:
-        """The loop: dispatch, then sleep until tickled, a retry is due or the stop's deadline."""
+    async def _supervise(self, stored: StoreRun | None) -> None:
+        """The one supervisor loop: exchange a batch with the store, dispatch, check a stop, sleep.
+
+        It sleeps on the one-slot signal until tickled (an enqueue, an attempt
+        that ended), until the next retry or delayed request falls due, until
+        the stop's deadline, and with a store until its next look or the next
+        row falling due. The in-memory engine has no batch to exchange.
+        """
         assert self._signal_rx is not None
-        timer = self._timer
-        assert timer is not None
-        offset = self._offset
         receive = self._signal_rx.receive
         heap = self._heap
         try:
             while True:
                 if self._incoming:
                     self._schedule_incoming()
+                looked = False
+                if stored is not None:
+                    exchanged = await self._exchange(stored)
+                    if exchanged is None:
+                        continue  # the batch failed, and the loop backed off
+                    looked = exchanged
                 dispatched_at = self._dispatch()
                 if self._stop_called:
-                    if self._is_idle():
+                    if self._drained(stored):
                         self._release_idle()
                         return
-                    if offset + timer() >= self._stop_deadline:
+                    now = self._time()
+                    assert now is not None
+                    if now >= self._stop_deadline:
                         self._expire()
                     elif self._insiders:
                         self._check_quiet()
                 if not self._queue:
                     # Nothing waits: keep no enqueuer's context alive for sharing.
                     self._last_context = None
-                    if self._idle_event is not None and self._is_idle():
-                        self._idle_event.set()
-                        self._idle_event = None
+                # (With a store, join() also waits for a fresh look.)
+                if self._idle_event is not None and (looked or self._is_idle()):
+                    self._idle_event.set()
+                    self._idle_event = None
                 # What was due when _dispatch looked and did not start waits
                 # for a slot, and a completion will tickle: only what falls
                 # due after that instant needs the timer. (Compared with that
@@ -505,12 +490,24 @@ class _Loop(_Processors[RequestT, ResultT]):
                 wake_at = self._stop_deadline
                 if heap and self._may_start and heap[0][0] > dispatched_at:
                     wake_at = min(wake_at, heap[0][0])
+                if stored is not None:
+                    wake_at = min(wake_at, self._next_look(stored))
                 await self._sleep(receive, wake_at)
         except BaseException:
             # Cancelled with the run, or the run is ending: from this instant
             # no processor starts another request.
             self._may_start = self._draining = False
             raise
+
+    def _drained(self, stored: StoreRun | None) -> bool:
+        """Whether a stop has nothing left: nothing waits, runs, or waits to be written."""
+        return (
+            not self._queue
+            and not self._heap
+            and not self._incoming
+            and self._in_flight == 0
+            and (stored is None or not stored.has_work())
+        )
 
     async def _sleep(self, receive: Callable[[], Awaitable[None]], wake_at: float) -> None:
         """Sleep until tickled through the one-slot channel, or until ``wake_at``."""
