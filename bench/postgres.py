@@ -54,11 +54,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import quote, urlencode
 
-if TYPE_CHECKING:
-    from .run import Row
+from ._table import Row
 
 DSN_ENV = "TICKLER_BENCH_POSTGRES"
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -407,8 +406,6 @@ def _installed(name: str) -> str | None:
 
 
 def rows(config: PgConfig) -> list[Row]:
-    from .run import Row
-
     n, c = f"{config.drain:,}", config.concurrency
     pgq = f"pgqueuer, max_concurrent_tasks={c}, batch_size={c // 2}"
     proc = f"procrastinate, concurrency={c}"
