@@ -383,16 +383,16 @@ async def test_join_waits_for_a_row_committed_while_a_look_was_under_way(
 ) -> None:
     import threading
 
-    from tickler._store_loop import StoreRun
+    from tickler._stores._sync import StoreSync
 
     store = make_store(kind, request, tmp_path, poll_interval=0.2)
     connection = caller_connection(store)
     hold = threading.Event()
     held = threading.Event()
     holding = False
-    run_batch = StoreRun.run_batch
+    run_batch = StoreSync.run_batch
 
-    async def slow_look(self: StoreRun, queue: str, batch: Any) -> Any:
+    async def slow_look(self: StoreSync, queue: str, batch: Any) -> Any:
         # The look has read the store; its answer comes back only once the
         # test has committed a row and called join().
         result = await run_batch(self, queue, batch)
@@ -401,7 +401,7 @@ async def test_join_waits_for_a_row_committed_while_a_look_was_under_way(
             await trio.to_thread.run_sync(hold.wait)
         return result
 
-    monkeypatch.setattr(StoreRun, "run_batch", slow_look)
+    monkeypatch.setattr(StoreSync, "run_batch", slow_look)
     try:
         async with tickler.open_service(echo, store=store, name="jobs") as service:
             await service.join()
@@ -481,18 +481,18 @@ def count_renewals(
     service: tickler.Service[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> list[int]:
     """A list that grows by one for each batch of ``service`` that renews its leases."""
-    from tickler._store_loop import StoreRun
+    from tickler._stores._sync import StoreSync
 
     renewals: list[int] = []
-    build = StoreRun.build
+    build = StoreSync.build
 
-    def counted(self: StoreRun, *args: Any) -> Any:
+    def counted(self: StoreSync, *args: Any) -> Any:
         built = build(self, *args)
         if self is service._store_run and built[0].renew:
             renewals.append(1)
         return built
 
-    monkeypatch.setattr(StoreRun, "build", counted)
+    monkeypatch.setattr(StoreSync, "build", counted)
     return renewals
 
 

@@ -516,19 +516,19 @@ async def test_a_replica_whose_clock_is_off_goes_by_the_servers_clock(
     """
     import time
 
-    from tickler._store_loop import StoreRun
+    from tickler._stores._sync import StoreSync
 
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + skew)
     batches = 0
-    run_batch = StoreRun.run_batch
+    run_batch = StoreSync.run_batch
 
-    async def counted(self: StoreRun, *args: Any) -> Any:
+    async def counted(self: StoreSync, *args: Any) -> Any:
         nonlocal batches
         batches += 1
         return await run_batch(self, *args)
 
-    monkeypatch.setattr(StoreRun, "run_batch", counted)
+    monkeypatch.setattr(StoreSync, "run_batch", counted)
     starts: dict[int, float] = {}
     waited: dict[int, float] = {}
 

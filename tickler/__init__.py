@@ -6,6 +6,7 @@ from ._codec import Codec as Codec
 from ._codec import JsonCodec as JsonCodec
 from ._exceptions import QueueFull as QueueFull
 from ._exceptions import RequestCancelled as RequestCancelled
+from ._exceptions import RequestFailed as RequestFailed
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
@@ -19,7 +20,6 @@ from ._sqlite import SqliteStore as SqliteStore
 from ._statistics import TIME_BUCKETS as TIME_BUCKETS
 from ._statistics import Histogram as Histogram
 from ._statistics import ServiceStatistics as ServiceStatistics
-from ._store_loop import RequestFailed as RequestFailed
 from ._ticket import Status as Status
 from ._ticket import Ticket as Ticket
 

@@ -31,7 +31,7 @@ from ._ticket import RequestT, ResultT, Status, Ticket
 
 if TYPE_CHECKING:
     from ._processors import _Parked
-    from ._store_loop import StoreRun
+    from ._stores._sync import StoreSync
 
 logger = logging.getLogger("tickler")
 
@@ -234,7 +234,7 @@ class _ServiceCore(Generic[RequestT, ResultT]):
     _foreign_pending: bool
     _debug: bool
     # with a store: the loop's side of it (None for the in-memory engine)
-    _store_run: StoreRun | None
+    _store_run: StoreSync | None
 
     def _tickle(self) -> None:
         """Wake the supervisor loop. Trio thread only.

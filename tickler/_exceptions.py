@@ -23,3 +23,19 @@ class RequestCancelled(TicklerError):
 
 class StoreError(TicklerError):
     """A store cannot be used: not a database, a foreign schema, a file that cannot be opened."""
+
+
+class RequestFailed(TicklerError):
+    """A request's failure as the store keeps it: as text, from whichever process ran it.
+
+    Attributes:
+        error_type: the name of the exception's type.
+        error_message: its message.
+        error_traceback: its traceback, as text.
+    """
+
+    def __init__(self, error_type: str, error_message: str, error_traceback: str) -> None:
+        super().__init__(f"{error_type}: {error_message}")
+        self.error_type = error_type
+        self.error_message = error_message
+        self.error_traceback = error_traceback

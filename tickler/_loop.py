@@ -13,27 +13,21 @@ import trio
 
 from . import _lowlevel
 from ._core import (
-    _CANCELLED,
     _EMPTY_CONTEXT,
-    _FAILED,
     _QUEUED,
-    _RETRYING,
     _RUNNING,
     _SCHEDULED,
-    _SUCCEEDED,
     _check_timeout,
     _get_ident,
-    _one_line,
     logger,
 )
 from ._core import (
     _EMPTY_CONTEXT as _EMPTY,
 )
-from ._exceptions import ServiceClosed, StoreError
+from ._exceptions import ServiceClosed
 from ._processors import _ATTEMPTS, _Processors, _Slot
 from ._queue import _check_key
-from ._store_loop import Outcome, Pending, RequestFailed, StoreRun, wall_clock
-from ._stores._seam import Batch, BatchResult, Row
+from ._stores._sync import StoreSync, wall_clock
 from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
 
 _T = TypeVar("_T")
@@ -90,9 +84,10 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._nursery = nursery
                 task_status.started()
                 listener_scope = trio.CancelScope()
-                listening = stored.store.listener(self.name) if stored is not None else None
-                if listening is not None:
-                    nursery.start_soon(self._listen, listening, listener_scope)
+                if stored is not None:
+                    listening = stored.store.listener(self.name)
+                    if listening is not None:
+                        nursery.start_soon(stored.listen, listening, listener_scope)
                 await self._supervise(stored)
                 listener_scope.cancel()
         finally:
@@ -102,348 +97,10 @@ class _Loop(_Processors[RequestT, ResultT]):
                 self._close()
                 self._may_start = False
                 self._cancel_waiting(self._time())
-                await self._final_flush(stored)
+                await stored.final_flush()
             self._wind_down(self._time())
 
-    async def _exchange(self, stored: StoreRun) -> bool | None:
-        """One batch with the store: write what was accepted and what ended, renew, claim.
-
-        Returns whether the batch was a look (renewals, cancels, outcomes from
-        elsewhere; join() waits for one), or None if it failed: then it has
-        backed off, and the loop goes round again.
-        """
-        # Claim for every free slot, and some more to wait in the queue,
-        # so that processors go on while the next batch commits: twice
-        # the attempts that ended since the last batch (the rate at
-        # which slots free up; twice, so that a starved pipeline grows),
-        # at most _AHEAD capacities' worth. Slots that do not free up
-        # (long handlers) make it claim nothing ahead, leaving the
-        # queue's other work to other processes. Nothing is claimed while
-        # a cancel() settles.
-        ahead = min(2 * len(stored.outcomes), _AHEAD * self._capacity)
-        free = self._capacity + ahead - self._in_flight - len(self._queue)
-        claiming = self._may_start and not self._stop_called and not stored.holds
-        claim = free if claiming and free > 0 else 0
-        # Looks are scheduled on Trio's clock, never the wall clock: a step
-        # of the wall clock must not stall the loop.
-        batch, pending, outcomes = stored.build(self._lock, claim, self._time())
-        # After a failed batch, each insert goes in a savepoint of its own:
-        # a row the store refuses cannot hold back the others.
-        batch.isolate = stored.failures > 0
-        if not (batch.inserts or batch.outcomes or batch.claim or batch.renew):
-            return False
-        result = await self._try_batch(stored, batch, pending, outcomes)
-        if result is None:
-            delay = min(0.05 * 2 ** min(stored.failures, 10), 5.0)
-            # A stop's deadline still holds: the final flush then keeps
-            # trying to commit what was accepted.
-            now = self._time()
-            assert now is not None
-            if self._stop_called and now >= self._stop_deadline:
-                self._expire()
-            await trio.sleep_until(min(now + delay, self._stop_deadline))
-            return None
-        stored.marked.update(batch.started)
-        looked = batch.finished_since is not None
-        if looked:
-            # Overlapping looks: a clock step back loses nothing.
-            assert stored.connection is not None
-            stored.finals_since = result.now - stored.connection.finals_overlap
-            stored.checks = stored.looks_begun  # one batch in flight at a time
-        self._apply_batch(stored, result, pending, outcomes)
-        return looked
-
-    def _next_look(self, stored: StoreRun) -> float:
-        """When, on Trio's clock, the store needs the loop next: a look, or a row falling due."""
-        # next_check is on Trio's clock; next_due on the store's (see
-        # BatchResult.shift), taken to Trio's through this instant's wall
-        # clock, so that a step of the wall clock moves both ends.
-        wake_at = stored.next_check
-        room = self._capacity - self._in_flight - len(self._queue)
-        if stored.next_due is not None and room > 0 and self._may_start:
-            now = self._time()
-            assert now is not None
-            wake_at = min(wake_at, stored.next_due - stored.shift + now - wall_clock())
-        return wake_at
-
-    async def _listen(self, listening: Any, scope: trio.CancelScope) -> None:
-        """Tickle the loop whenever the store says another process enqueued on this queue."""
-        with scope:
-            await listening.run(self._tickle)
-
-    def _apply_batch(
-        self,
-        stored: StoreRun,
-        result: BatchResult,
-        pending: list[Pending],
-        outcomes: list[Outcome],
-    ) -> None:
-        """A batch committed: give ids, finish tickets, take what was claimed."""
-        now = self._time()
-        assert now is not None
-        to_trio = now - wall_clock()
-        refused = result.refused
-        if refused:
-            pending = self._refused(stored, pending, refused, now)
-            inserted = [pair for i, pair in enumerate(result.inserted) if i not in refused]
-        else:
-            inserted = result.inserted
-        for entry, (request_id, new) in zip(pending, inserted, strict=True):
-            ticket = entry[4]
-            ticket.id = request_id
-            if new:
-                stored.tickets[request_id] = ticket
-            else:
-                # The key was live: this ticket follows that request. It was
-                # counted as enqueued when accepted; it is a deduplicated call.
-                self._deduplicated += 1
-                self._last_id -= 1
-                stored.watched.setdefault(request_id, []).append(ticket)
-        if pending:
-            stored.settled += len(pending)
-            stored.committed.set()
-            stored.committed = trio.Event()
-            if self._submitters:
-                self._room.unpark_all()
-        for (kind, ticket, _, local), state in zip(outcomes, result.applied, strict=True):
-            request_id = ticket.id
-            stored.local.discard(request_id)
-            if state is None:
-                if kind != "handed_back" and kind != "returned" and not ticket.done:
-                    # The lease had gone: another process runs the request.
-                    stored.tickets.pop(request_id, None)
-                    stored.watched.setdefault(request_id, []).append(ticket)
-                    ticket.status = _QUEUED
-                continue
-            if state == "retrying":
-                ticket.status = _RETRYING
-                self._retried += 1
-                continue
-            if state == "queued":  # handed back
-                ticket.status = _QUEUED
-                continue
-            stored.tickets.pop(request_id, None)
-            if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
-                if kind in ("handed_back", "returned") and ticket in self._stopped_tickets:
-                    self._stopped_tickets.remove(ticket)  # the stop handed back none of it
-                kind = "cancelled"
-            if kind == "succeeded":
-                self._succeeded += 1
-                self._finish(ticket, _SUCCEEDED, (now, local))
-            elif kind == "cancelled":
-                self._cancelled += 1
-                self._finish(ticket, _CANCELLED, (now, None))
-            else:
-                exc, tb, context = local
-                self._fail(ticket, exc, tb, now)
-                self._call_on_error(ticket, exc, context)
-            # Tickets of this process that follow the same request (a live key).
-            for follower in stored.watched.pop(request_id, ()):
-                self._finish(follower, ticket.status, ticket._state)
-        if result.mine is not None:
-            self._check_leases(stored, result.mine)
-        for request_id in result.recent:
-            # Final in the store, and not by this process's hand: a cancel, or
-            # another process ran it. Fetch its outcome at the next look.
-            elsewhere = stored.tickets.get(request_id)
-            if elsewhere is not None and request_id not in stored.local and not elsewhere.done:
-                del stored.tickets[request_id]
-                stored.watched.setdefault(request_id, []).append(elsewhere)
-                stored.next_check = -math.inf
-        taken: list[Ticket[Any, Any]] = []
-        for request_id, data, attempts, _, enqueued, _ in result.claimed:
-            stored.local.add(request_id)
-            known = stored.tickets.get(request_id)
-            if known is None:
-                try:
-                    request = stored.codec.decode(data)
-                except Exception as exc:
-                    known = Ticket(None, request_id, _RUNNING, attempts, now, now, _EMPTY)
-                    why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
-                    self._record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
-                    continue
-                # Enqueued in the store's time, by another process: on Trio's clock,
-                # no later than now (for the wait time histogram).
-                enqueued_at = min(now, enqueued - result.shift + to_trio)
-                known = Ticket(
-                    request, request_id, _QUEUED, attempts - 1, enqueued_at, None, _EMPTY
-                )
-                stored.tickets[request_id] = known
-            else:
-                known.status = _QUEUED
-                known.attempts = attempts - 1
-            if not self._may_start:
-                # Claimed by a batch that was under way when a stop began.
-                self._record("returned", known, (wall_clock(),))
-                continue
-            taken.append(known)
-        if taken:
-            with self._lock:
-                self._queue.extend(taken)
-                self._peak = max(self._peak, len(self._queue))
-        for row in result.finals:
-            for ticket in stored.take_waiters(row.id):
-                self._finish(ticket, *self._decoded(stored, row))
-        for request_id in result.missing:
-            lost = RequestFailed(
-                "RowDeleted",
-                "the request ended, but its row was deleted (retention) before this"
-                " process read its outcome",
-                "",
-            )
-            for ticket in stored.take_waiters(request_id):
-                self._finish(ticket, _FAILED, (now, lost, None, None))
-
-        stored.next_due = result.next_due
-        stored.shift = result.shift
-        stored.live = result.live
-
-    def _refused(
-        self, stored: StoreRun, pending: list[Pending], refused: dict[int, str], now: float
-    ) -> list[Pending]:
-        """Requests whose insert the store refused in an isolated batch; the others, in order.
-
-        A refused request goes into the next batch once more (the refusal
-        may have been a passing fault: a deadlock, a timeout); refused again,
-        its ticket fails with StoreError, which names the store's error.
-        """
-        kept: list[Pending] = []
-        again: list[Pending] = []
-        failed = False
-        for position, entry in enumerate(pending):
-            error = refused.get(position)
-            if error is None:
-                kept.append(entry)
-                continue
-            ticket = entry[4]
-            if stored.refused_once.pop(ticket, None) is None:
-                stored.refused_once[ticket] = error
-                again.append(entry)
-                continue
-            logger.error("service %r: the store refused a request (%s)", self.name, error)
-            stored.settled += 1
-            self._fail(ticket, StoreError(f"the store refused the request: {error}"), None, now)
-            failed = True
-        if failed:
-            stored.committed.set()  # submit() raises the ticket's error
-            stored.committed = trio.Event()
-        if again:
-            with self._lock:
-                stored.pending[:0] = again
-            self._tickle()
-        return kept
-
-    @staticmethod
-    def _decoded(stored: StoreRun, row: Row) -> tuple[Status, tuple[Any, ...]]:
-        """A final row as a ticket's status and final state (FAILED if it cannot be decoded)."""
-        try:
-            status, final = stored.decode_row(row)
-        except Exception as exc:
-            return _FAILED, (row.finished_at, exc, exc.__traceback__, None)
-        return status, final
-
-    def _check_leases(self, stored: StoreRun, mine: dict[int, bool]) -> None:
-        """Take away attempts whose lease is gone or whose request was cancelled."""
-        for request_id in list(stored.scopes):
-            if request_id not in mine:
-                stored.withdraw(request_id, "lost")
-            elif mine[request_id]:
-                stored.withdraw(request_id, "cancelled")
-        # Claimed but not started yet.
-        with self._lock:
-            waiting = list(self._queue)
-            keep = [t for t in waiting if t.id in mine and not mine[t.id]]
-            if len(keep) != len(waiting):
-                self._queue.clear()
-                self._queue.extend(keep)
-        for ticket in waiting:
-            if ticket.id not in mine:
-                stored.tickets.pop(ticket.id, None)
-                stored.local.discard(ticket.id)
-                stored.watched.setdefault(ticket.id, []).append(ticket)
-            elif mine[ticket.id]:
-                self._drop_claimed(stored, ticket)
-        # Rows the store says this process holds, though it never learned it
-        # claimed them: a claim committed whose reply was lost with the
-        # connection. Renewals would keep them for ever: give them back.
-        for request_id in mine.keys() - stored.local:
-            orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, 0, None, None, _EMPTY)
-            stored.outcomes.append(("returned", orphan, (wall_clock(),), None))
-
-    def _drop_claimed(self, stored: StoreRun, ticket: Ticket[Any, Any]) -> None:
-        """A request claimed here, whose cancel was asked for before it started.
-
-        Returned, it ends CANCELLED in the store (its cancel was asked for)
-        with the claim's attempt undone: it never ran.
-        """
-        stored.outcomes.append(("returned", ticket, (wall_clock(),), None))
-        self._tickle()
-
-    async def _try_batch(
-        self,
-        stored: StoreRun,
-        batch: Batch,
-        pending: list[Pending],
-        outcomes: list[Outcome],
-    ) -> BatchResult | None:
-        """Run a batch; if it fails, put its work back, count and log it, and return None."""
-        try:
-            result = await stored.run_batch(self.name, batch)
-        except BaseException as exc:
-            # Nothing accepted is dropped: it goes into the next try, or into
-            # the final flush if the run is ending.
-            stored.put_back(self._lock, pending, outcomes)
-            if not isinstance(exc, Exception):
-                raise
-            stored.failures += 1
-            stored.errors += 1
-            stored.last_error = _one_line(exc)
-            logger.error(
-                "service %r: writing to the store failed (%s); %d failure(s) in a row",
-                self.name,
-                stored.last_error,
-                stored.failures,
-            )
-            return None
-        stored.failures = 0
-        return result
-
-    async def _final_flush(self, stored: StoreRun) -> None:
-        """Commit what was accepted and write what ended, shielded; then close the store."""
-        with trio.CancelScope(shield=True):
-            for attempt in range(20):
-                batch, pending, outcomes = stored.build(self._lock, 0, self._time())
-                batch.renew, batch.watched, batch.prune = False, (), False
-                if not batch.inserts and not batch.outcomes:
-                    break
-                result = await self._try_batch(stored, batch, pending, outcomes)
-                if result is None:
-                    await trio.sleep(min(0.05 * 2**attempt, 2.0))
-                    continue
-                self._apply_batch(stored, result, pending, outcomes)
-            else:
-                logger.error(
-                    "service %r: %d accepted requests could not be committed",
-                    self.name,
-                    len(stored.pending),
-                )
-                # They exist nowhere else: their tickets fail, and say why.
-                with self._lock:
-                    lost, stored.pending = stored.pending, []
-                    stored.settled += len(lost)
-                now = self._time()
-                for entry in lost:
-                    error = StoreError(
-                        f"service {self.name!r}: the request could not be committed to the"
-                        f" store before the run ended ({stored.last_error})"
-                    )
-                    self._fail(entry[4], error, None, now)
-            stored.committed.set()
-            connection, stored.connection = stored.connection, None
-            if connection is not None:
-                await trio.to_thread.run_sync(connection.close, limiter=stored.limiter)
-
-    async def _supervise(self, stored: StoreRun | None) -> None:
+    async def _supervise(self, stored: StoreSync | None) -> None:
         """The one supervisor loop: exchange a batch with the store, dispatch, check a stop, sleep.
 
         It sleeps on the one-slot signal until tickled (an enqueue, an attempt
@@ -460,7 +117,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                     self._schedule_incoming()
                 looked = False
                 if stored is not None:
-                    exchanged = await self._exchange(stored)
+                    exchanged = await stored.exchange()
                     if exchanged is None:
                         continue  # the batch failed, and the loop backed off
                     looked = exchanged
@@ -491,7 +148,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 if heap and self._may_start and heap[0][0] > dispatched_at:
                     wake_at = min(wake_at, heap[0][0])
                 if stored is not None:
-                    wake_at = min(wake_at, self._next_look(stored))
+                    wake_at = min(wake_at, stored.next_look())
                 await self._sleep(receive, wake_at)
         except BaseException:
             # Cancelled with the run, or the run is ending: from this instant
@@ -499,7 +156,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             self._may_start = self._draining = False
             raise
 
-    def _drained(self, stored: StoreRun | None) -> bool:
+    def _drained(self, stored: StoreSync | None) -> bool:
         """Whether a stop has nothing left: nothing waits, runs, or waits to be written."""
         return (
             not self._queue
@@ -695,7 +352,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 for ticket in claimed:
                     self._queue.remove(ticket)
             for ticket in claimed:
-                self._drop_claimed(stored, ticket)
+                stored._drop_claimed(ticket)
             stored.next_check = -math.inf
             self._tickle()
         return found
@@ -808,7 +465,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         )
         if status in FINAL:
             # (A result this codec cannot decode fails the ticket with the error.)
-            ticket.status, ticket._state = self._decoded(stored, row)
+            ticket.status, ticket._state = stored._decoded(row)
         elif not self._finished.is_set():
             # The ticket follows the row to its final state, wherever it
             # runs: this process's looks at the store finish it (the next
@@ -816,7 +473,7 @@ class _Loop(_Processors[RequestT, ResultT]):
             stored.watched.setdefault(row.id, []).append(ticket)
         return ticket
 
-    async def _settle_accepted(self, stored: StoreRun) -> None:
+    async def _settle_accepted(self, stored: StoreSync) -> None:
         """Wait until every request this service accepted so far is in the store.
 
         What the caller enqueued before a cancel or a lookup must be seen by
@@ -836,7 +493,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         await self._settle_accepted(stored)
         return await self._in_store(stored.connection_for("store_statistics").statistics)
 
-    def _require_store(self, what: str) -> StoreRun:
+    def _require_store(self, what: str) -> StoreSync:
         stored = self._store_run
         if stored is None:
             raise RuntimeError(f"{what}() needs a service with a store")

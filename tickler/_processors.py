@@ -37,7 +37,7 @@ from ._core import (
 from ._exceptions import ServiceClosed
 from ._queue import _QueueSide
 from ._statistics import TIME_BUCKETS
-from ._store_loop import Withdrawn, wall_clock
+from ._stores._sync import Withdrawn, wall_clock
 from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         ``cancel()``, which finds it through the processor's ``_Attempt``;
         and with a store by the loop (a cancel from any process, a lost
         lease, a stop), which finds it under the request's id in
-        ``StoreRun.scopes``. The processor records the attempt and ends; the
+        ``StoreSync.scopes``. The processor records the attempt and ends; the
         loop starts another if work waits. One scope per processor rather
         than one per attempt keeps the cost of a scope off each request
         (the burst rows).

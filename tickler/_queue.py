@@ -27,7 +27,7 @@ from ._core import (
     logger,
 )
 from ._exceptions import QueueFull, ServiceClosed
-from ._store_loop import wall_clock
+from ._stores._sync import wall_clock
 from ._ticket import RequestT, ResultT, Ticket
 
 _copy_context = contextvars.copy_context

@@ -30,8 +30,8 @@ from ._loop import _Loop
 from ._processors import _Parked
 from ._retry import Retry
 from ._statistics import TIME_BUCKETS, Histogram, ServiceStatistics
-from ._store_loop import StoreRun
 from ._stores._seam import Store
+from ._stores._sync import StoreSync
 from ._ticket import RequestT, ResultT, Ticket
 
 
@@ -141,7 +141,7 @@ class Service(_Loop[RequestT, ResultT]):
             if store is None:
                 raise ValueError("codec is for a service with a store; give store= too")
             check_codec(codec)
-        self._store_run: StoreRun | None = None
+        self._store_run: StoreSync | None = None
         if store is not None:
             check_queue_name(name, "name")
             # The name is the queue in the store; one handler per queue: a
@@ -155,7 +155,7 @@ class Service(_Loop[RequestT, ResultT]):
                 )
             if codec is None:
                 codec = JsonCodec()
-            self._store_run = StoreRun(store, codec)
+            self._store_run = StoreSync(self, store, codec)
             store.use_codec(name, codec)
             services[name] = self
 

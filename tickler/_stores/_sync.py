@@ -1,0 +1,572 @@
+"""StoreSync: the engine's side of a store, and the rules it keeps between two batches.
+
+Only the supervisor loop talks to the store, once per wake-up, through
+:meth:`StoreSync.exchange`: one batch in one transaction on a worker thread
+(the requests enqueued since the last batch, the outcomes of the attempts
+that ended, lease renewals, claims for the free slots and some ahead of
+them, and the final states of requests waited for that run elsewhere), then
+the batch's result applied to this process's tickets. ``enqueue_request``
+and the processors only append to lists here.
+
+The engine is a part's owner, as trio's Runner owns its parts: StoreSync
+holds a reference to its service (``engine``) and reaches the engine's hot
+state through it; the engine holds the StoreSync (``Service._store_run``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .._codec import Codec
+from .._core import _CANCELLED, _FAILED, _QUEUED, _RETRYING, _RUNNING, _SUCCEEDED, _one_line, logger
+from .._core import _EMPTY_CONTEXT as _EMPTY
+from .._exceptions import RequestFailed, StoreError
+from .._ticket import Status, Ticket
+from ._seam import Batch, BatchResult, Row, Session, Store
+
+if TYPE_CHECKING:
+    from .._loop import _Loop
+
+# With a store, the most a process claims ahead of its free slots, in capacities.
+_AHEAD = 8
+
+SWEEP_EVERY = 30
+
+# (key text, state, encoded request, run_at, ticket): a Batch's insert as it is.
+Pending = tuple[str | None, str, bytes, float, Ticket[Any, Any]]
+# (kind, ticket, values for its row, what the ticket gets once written)
+Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
+
+
+class Withdrawn(Exception):
+    """Raised in place of an attempt the loop took away: cancelled, handed back or lost."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@attrs.define(eq=False)
+class StoreSync:
+    """The state of one service's run against its store, and the rules that keep it."""
+
+    engine: _Loop[Any, Any]
+    store: Store
+    codec: Codec
+    owner: str = attrs.Factory(lambda: uuid.uuid4().hex)
+    connection: Session | None = None
+    limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
+    # Enqueued since the last batch, under the service's lock.
+    pending: list[Pending] = attrs.Factory(list)
+    # Attempts that ended since the last batch: (kind, ticket, values for the
+    # row, what the ticket gets once the row is written).
+    outcomes: list[Outcome] = attrs.Factory(list)
+    # This process's tickets by request id: claimed or enqueued here.
+    tickets: dict[int, Ticket[Any, Any]] = attrs.Factory(dict)
+    # The cancel scope of each running attempt, and why the loop cancelled it.
+    scopes: dict[int, trio.CancelScope] = attrs.Factory(dict)
+    reasons: dict[int, str] = attrs.Factory(dict)
+    # Running attempts whose start a committed batch has written.
+    marked: set[int] = attrs.Factory(set)
+    # Requests claimed by this process whose outcome is not written yet.
+    local: set[int] = attrs.Factory(set)
+    # The time from which the next look asks which requests became final.
+    finals_since: float = 0.0
+    # Looks at the store begun so far (renewals, cancels, outcomes from
+    # elsewhere), and the number of the last one that committed: join()
+    # trusts only a look begun after it was called.
+    looks_begun: int = 0
+    checks: int = 0
+    # Tickets waiting for requests that run elsewhere (a live key, a lost lease).
+    watched: dict[int, list[Ticket[Any, Any]]] = attrs.Factory(dict)
+    # Set after each commit; submit() waits for the batch holding its request.
+    committed: trio.Event = attrs.Factory(trio.Event)
+    # Requests accepted into pending so far (under the service's lock), and
+    # how many of them have been settled: committed, refused by the store, or
+    # failed by the final flush. cancel() and lookup() wait until every
+    # request accepted before them is settled, so that they see it.
+    accepted: int = 0
+    settled: int = 0
+    # cancel() calls under way: batches claim nothing meanwhile.
+    holds: int = 0
+    # Requests the store refused once in an isolated batch, and its error.
+    refused_once: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
+    # When the next look at the store is due, on Trio's clock.
+    next_check: float = -math.inf
+    next_due: float | None = None
+    shift: float = 0.0  # the store's clock minus this process's, as of the last batch
+    live: int = 0
+    failures: int = 0  # in a row, for the backoff
+    errors: int = 0  # in all, for statistics()
+    last_error: str = ""  # the last failed batch's error, in one line
+    # A batch is in flight: what it took from pending is not in the store yet.
+    committing: bool = False
+
+    def withdraw(self, request_id: int, reason: str) -> bool:
+        """Cancel a running attempt; True if it was running here."""
+        scope = self.scopes.get(request_id)
+        if scope is None:
+            return False
+        if self.reasons.get(request_id) == "cancelled":
+            return True  # a cancel already took it: a stop's hand-back does not undo that
+        self.reasons[request_id] = reason
+        scope.cancel()
+        return True
+
+    def connection_for(self, what: str) -> Session:
+        if self.connection is None:
+            raise RuntimeError(f"{what}() needs the service to be running")
+        return self.connection
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.outcomes)
+
+    def build(
+        self, lock: Any, claim: int, now: float | None
+    ) -> tuple[Batch, list[Pending], list[Outcome]]:
+        """The next batch, and what it takes from pending and outcomes (to put back if it fails).
+
+        ``now`` is Trio's clock, which schedules the looks.
+        """
+        assert now is not None
+        with lock:
+            pending, self.pending = self.pending, []
+        outcomes, self.outcomes = self.outcomes, []
+        check = now >= self.next_check
+        # The attempts running now whose start the store has not been told.
+        marked = self.marked
+        marked.intersection_update(self.scopes)
+        started = (
+            [i for i in self.scopes if i not in marked] if len(marked) < len(self.scopes) else ()
+        )
+        batch = Batch(
+            inserts=pending,
+            outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
+            claim=claim,
+            started=started,
+            renew=check,
+            watched=self._watch_list() if check else (),
+            prune=check,
+            finished_since=self.finals_since if check else None,
+        )
+        if check:
+            self.looks_begun += 1
+            store = self.store
+            self.next_check = now + min(store.lease / 3, store.poll_interval)
+        return batch, pending, outcomes
+
+    def put_back(self, lock: Any, pending: list[Pending], outcomes: list[Outcome]) -> None:
+        """A batch failed: its requests and outcomes go into the next one."""
+        with lock:
+            self.pending[:0] = pending
+        self.outcomes[:0] = outcomes
+
+    def _watch_list(self) -> list[int]:
+        """The ids whose final state the next look asks for.
+
+        Those followed from elsewhere; and, every SWEEP_EVERY looks, every
+        ticket of this process that does not run here, should a look at what
+        became final have missed it (a step back of the wall clock, say).
+        """
+        ids = list(self.watched)
+        if self.checks % SWEEP_EVERY == SWEEP_EVERY - 1:
+            ids.extend(i for i in self.tickets if i not in self.local and i not in self.watched)
+        return ids
+
+    async def run_batch(self, queue: str, batch: Batch) -> BatchResult:
+        connection = self.connection
+        assert connection is not None
+        store = self.store
+        self.committing = True
+        try:
+            return await trio.to_thread.run_sync(
+                connection.run,
+                queue,
+                self.owner,
+                store.lease,
+                store.retention,
+                batch,
+                limiter=self.limiter,
+            )
+        finally:
+            self.committing = False
+
+    def decode_row(self, row: Row) -> tuple[Status, tuple[Any, ...]]:
+        """A final row as (status, final ticket state)."""
+        finished = row.finished_at
+        if row.state == "succeeded":
+            result = self.codec.decode(row.result) if row.result is not None else None
+            return Status.SUCCEEDED, (finished, result)
+        if row.state == "failed":
+            error = RequestFailed(
+                row.error_type or "Exception", row.error_message or "", row.error_traceback or ""
+            )
+            return Status.FAILED, (finished, error, None, None)
+        return Status.CANCELLED, (finished, None)
+
+    def take_waiters(self, request_id: int) -> list[Ticket[Any, Any]]:
+        """The unfinished tickets of this process waiting on a request that ended elsewhere.
+
+        Those following it (a live key, a lost lease), and its own ticket if
+        it does not run here (found by the periodic sweep); all stop waiting.
+        """
+        waiters = self.watched.pop(request_id, [])
+        own = self.tickets.get(request_id)
+        if own is not None and request_id not in self.local:
+            del self.tickets[request_id]
+            waiters.append(own)
+        return [ticket for ticket in waiters if not ticket.done]
+
+    async def exchange(self) -> bool | None:
+        """One batch with the store: write what was accepted and what ended, renew, claim.
+
+        Returns whether the batch was a look (renewals, cancels, outcomes from
+        elsewhere; join() waits for one), or None if it failed: then it has
+        backed off, and the loop goes round again.
+        """
+        engine = self.engine
+        # Claim for every free slot, and some more to wait in the queue,
+        # so that processors go on while the next batch commits: twice
+        # the attempts that ended since the last batch (the rate at
+        # which slots free up; twice, so that a starved pipeline grows),
+        # at most _AHEAD capacities' worth. Slots that do not free up
+        # (long handlers) make it claim nothing ahead, leaving the
+        # queue's other work to other processes. Nothing is claimed while
+        # a cancel() settles.
+        ahead = min(2 * len(self.outcomes), _AHEAD * engine._capacity)
+        free = engine._capacity + ahead - engine._in_flight - len(engine._queue)
+        claiming = engine._may_start and not engine._stop_called and not self.holds
+        claim = free if claiming and free > 0 else 0
+        # Looks are scheduled on Trio's clock, never the wall clock: a step
+        # of the wall clock must not stall the loop.
+        batch, pending, outcomes = self.build(engine._lock, claim, engine._time())
+        # After a failed batch, each insert goes in a savepoint of its own:
+        # a row the store refuses cannot hold back the others.
+        batch.isolate = self.failures > 0
+        if not (batch.inserts or batch.outcomes or batch.claim or batch.renew):
+            return False
+        result = await self._try_batch(batch, pending, outcomes)
+        if result is None:
+            delay = min(0.05 * 2 ** min(self.failures, 10), 5.0)
+            # A stop's deadline still holds: the final flush then keeps
+            # trying to commit what was accepted.
+            now = engine._time()
+            assert now is not None
+            if engine._stop_called and now >= engine._stop_deadline:
+                engine._expire()
+            await trio.sleep_until(min(now + delay, engine._stop_deadline))
+            return None
+        self.marked.update(batch.started)
+        looked = batch.finished_since is not None
+        if looked:
+            # Overlapping looks: a clock step back loses nothing.
+            assert self.connection is not None
+            self.finals_since = result.now - self.connection.finals_overlap
+            self.checks = self.looks_begun  # one batch in flight at a time
+        self._apply_batch(result, pending, outcomes)
+        return looked
+
+    def next_look(self) -> float:
+        """When, on Trio's clock, the store needs the loop next: a look, or a row falling due."""
+        engine = self.engine
+        # next_check is on Trio's clock; next_due on the store's (see
+        # BatchResult.shift), taken to Trio's through this instant's wall
+        # clock, so that a step of the wall clock moves both ends.
+        wake_at = self.next_check
+        room = engine._capacity - engine._in_flight - len(engine._queue)
+        if self.next_due is not None and room > 0 and engine._may_start:
+            now = engine._time()
+            assert now is not None
+            wake_at = min(wake_at, self.next_due - self.shift + now - wall_clock())
+        return wake_at
+
+    async def listen(self, listening: Any, scope: trio.CancelScope) -> None:
+        """Tickle the loop whenever the store says another process enqueued on this queue."""
+        engine = self.engine
+        with scope:
+            await listening.run(engine._tickle)
+
+    def _apply_batch(
+        self,
+        result: BatchResult,
+        pending: list[Pending],
+        outcomes: list[Outcome],
+    ) -> None:
+        """A batch committed: give ids, finish tickets, take what was claimed."""
+        engine = self.engine
+        now = engine._time()
+        assert now is not None
+        to_trio = now - wall_clock()
+        refused = result.refused
+        if refused:
+            pending = self._refused(pending, refused, now)
+            inserted = [pair for i, pair in enumerate(result.inserted) if i not in refused]
+        else:
+            inserted = result.inserted
+        for entry, (request_id, new) in zip(pending, inserted, strict=True):
+            ticket = entry[4]
+            ticket.id = request_id
+            if new:
+                self.tickets[request_id] = ticket
+            else:
+                # The key was live: this ticket follows that request. It was
+                # counted as enqueued when accepted; it is a deduplicated call.
+                engine._deduplicated += 1
+                engine._last_id -= 1
+                self.watched.setdefault(request_id, []).append(ticket)
+        if pending:
+            self.settled += len(pending)
+            self.committed.set()
+            self.committed = trio.Event()
+            if engine._submitters:
+                engine._room.unpark_all()
+        for (kind, ticket, _, local), state in zip(outcomes, result.applied, strict=True):
+            request_id = ticket.id
+            self.local.discard(request_id)
+            if state is None:
+                if kind != "handed_back" and kind != "returned" and not ticket.done:
+                    # The lease had gone: another process runs the request.
+                    self.tickets.pop(request_id, None)
+                    self.watched.setdefault(request_id, []).append(ticket)
+                    ticket.status = _QUEUED
+                continue
+            if state == "retrying":
+                ticket.status = _RETRYING
+                engine._retried += 1
+                continue
+            if state == "queued":  # handed back
+                ticket.status = _QUEUED
+                continue
+            self.tickets.pop(request_id, None)
+            if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
+                if kind in ("handed_back", "returned") and ticket in engine._stopped_tickets:
+                    engine._stopped_tickets.remove(ticket)  # the stop handed back none of it
+                kind = "cancelled"
+            if kind == "succeeded":
+                engine._succeeded += 1
+                engine._finish(ticket, _SUCCEEDED, (now, local))
+            elif kind == "cancelled":
+                engine._cancelled += 1
+                engine._finish(ticket, _CANCELLED, (now, None))
+            else:
+                exc, tb, context = local
+                engine._fail(ticket, exc, tb, now)
+                engine._call_on_error(ticket, exc, context)
+            # Tickets of this process that follow the same request (a live key).
+            for follower in self.watched.pop(request_id, ()):
+                engine._finish(follower, ticket.status, ticket._state)
+        if result.mine is not None:
+            self._check_leases(result.mine)
+        for request_id in result.recent:
+            # Final in the store, and not by this process's hand: a cancel, or
+            # another process ran it. Fetch its outcome at the next look.
+            elsewhere = self.tickets.get(request_id)
+            if elsewhere is not None and request_id not in self.local and not elsewhere.done:
+                del self.tickets[request_id]
+                self.watched.setdefault(request_id, []).append(elsewhere)
+                self.next_check = -math.inf
+        taken: list[Ticket[Any, Any]] = []
+        for request_id, data, attempts, _, enqueued, _ in result.claimed:
+            self.local.add(request_id)
+            known = self.tickets.get(request_id)
+            if known is None:
+                try:
+                    request = self.codec.decode(data)
+                except Exception as exc:
+                    known = Ticket(None, request_id, _RUNNING, attempts, now, now, _EMPTY)
+                    why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
+                    engine._record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
+                    continue
+                # Enqueued in the store's time, by another process: on Trio's clock,
+                # no later than now (for the wait time histogram).
+                enqueued_at = min(now, enqueued - result.shift + to_trio)
+                known = Ticket(
+                    request, request_id, _QUEUED, attempts - 1, enqueued_at, None, _EMPTY
+                )
+                self.tickets[request_id] = known
+            else:
+                known.status = _QUEUED
+                known.attempts = attempts - 1
+            if not engine._may_start:
+                # Claimed by a batch that was under way when a stop began.
+                engine._record("returned", known, (wall_clock(),))
+                continue
+            taken.append(known)
+        if taken:
+            with engine._lock:
+                engine._queue.extend(taken)
+                engine._peak = max(engine._peak, len(engine._queue))
+        for row in result.finals:
+            for ticket in self.take_waiters(row.id):
+                engine._finish(ticket, *self._decoded(row))
+        for request_id in result.missing:
+            lost = RequestFailed(
+                "RowDeleted",
+                "the request ended, but its row was deleted (retention) before this"
+                " process read its outcome",
+                "",
+            )
+            for ticket in self.take_waiters(request_id):
+                engine._finish(ticket, _FAILED, (now, lost, None, None))
+
+        self.next_due = result.next_due
+        self.shift = result.shift
+        self.live = result.live
+
+    def _refused(
+        self, pending: list[Pending], refused: dict[int, str], now: float
+    ) -> list[Pending]:
+        """Requests whose insert the store refused in an isolated batch; the others, in order.
+
+        A refused request goes into the next batch once more (the refusal
+        may have been a passing fault: a deadlock, a timeout); refused again,
+        its ticket fails with StoreError, which names the store's error.
+        """
+        engine = self.engine
+        kept: list[Pending] = []
+        again: list[Pending] = []
+        failed = False
+        for position, entry in enumerate(pending):
+            error = refused.get(position)
+            if error is None:
+                kept.append(entry)
+                continue
+            ticket = entry[4]
+            if self.refused_once.pop(ticket, None) is None:
+                self.refused_once[ticket] = error
+                again.append(entry)
+                continue
+            logger.error("service %r: the store refused a request (%s)", engine.name, error)
+            self.settled += 1
+            engine._fail(ticket, StoreError(f"the store refused the request: {error}"), None, now)
+            failed = True
+        if failed:
+            self.committed.set()  # submit() raises the ticket's error
+            self.committed = trio.Event()
+        if again:
+            with engine._lock:
+                self.pending[:0] = again
+            engine._tickle()
+        return kept
+
+    def _decoded(self, row: Row) -> tuple[Status, tuple[Any, ...]]:
+        """A final row as a ticket's status and final state (FAILED if it cannot be decoded)."""
+        try:
+            status, final = self.decode_row(row)
+        except Exception as exc:
+            return _FAILED, (row.finished_at, exc, exc.__traceback__, None)
+        return status, final
+
+    def _check_leases(self, mine: dict[int, bool]) -> None:
+        """Take away attempts whose lease is gone or whose request was cancelled."""
+        engine = self.engine
+        for request_id in list(self.scopes):
+            if request_id not in mine:
+                self.withdraw(request_id, "lost")
+            elif mine[request_id]:
+                self.withdraw(request_id, "cancelled")
+        # Claimed but not started yet.
+        with engine._lock:
+            waiting = list(engine._queue)
+            keep = [t for t in waiting if t.id in mine and not mine[t.id]]
+            if len(keep) != len(waiting):
+                engine._queue.clear()
+                engine._queue.extend(keep)
+        for ticket in waiting:
+            if ticket.id not in mine:
+                self.tickets.pop(ticket.id, None)
+                self.local.discard(ticket.id)
+                self.watched.setdefault(ticket.id, []).append(ticket)
+            elif mine[ticket.id]:
+                self._drop_claimed(ticket)
+        # Rows the store says this process holds, though it never learned it
+        # claimed them: a claim committed whose reply was lost with the
+        # connection. Renewals would keep them for ever: give them back.
+        for request_id in mine.keys() - self.local:
+            orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, 0, None, None, _EMPTY)
+            self.outcomes.append(("returned", orphan, (wall_clock(),), None))
+
+    def _drop_claimed(self, ticket: Ticket[Any, Any]) -> None:
+        """A request claimed here, whose cancel was asked for before it started.
+
+        Returned, it ends CANCELLED in the store (its cancel was asked for)
+        with the claim's attempt undone: it never ran.
+        """
+        engine = self.engine
+        self.outcomes.append(("returned", ticket, (wall_clock(),), None))
+        engine._tickle()
+
+    async def _try_batch(
+        self,
+        batch: Batch,
+        pending: list[Pending],
+        outcomes: list[Outcome],
+    ) -> BatchResult | None:
+        """Run a batch; if it fails, put its work back, count and log it, and return None."""
+        engine = self.engine
+        try:
+            result = await self.run_batch(engine.name, batch)
+        except BaseException as exc:
+            # Nothing accepted is dropped: it goes into the next try, or into
+            # the final flush if the run is ending.
+            self.put_back(engine._lock, pending, outcomes)
+            if not isinstance(exc, Exception):
+                raise
+            self.failures += 1
+            self.errors += 1
+            self.last_error = _one_line(exc)
+            logger.error(
+                "service %r: writing to the store failed (%s); %d failure(s) in a row",
+                engine.name,
+                self.last_error,
+                self.failures,
+            )
+            return None
+        self.failures = 0
+        return result
+
+    async def final_flush(self) -> None:
+        """Commit what was accepted and write what ended, shielded; then close the store."""
+        engine = self.engine
+        with trio.CancelScope(shield=True):
+            for attempt in range(20):
+                batch, pending, outcomes = self.build(engine._lock, 0, engine._time())
+                batch.renew, batch.watched, batch.prune = False, (), False
+                if not batch.inserts and not batch.outcomes:
+                    break
+                result = await self._try_batch(batch, pending, outcomes)
+                if result is None:
+                    await trio.sleep(min(0.05 * 2**attempt, 2.0))
+                    continue
+                self._apply_batch(result, pending, outcomes)
+            else:
+                logger.error(
+                    "service %r: %d accepted requests could not be committed",
+                    engine.name,
+                    len(self.pending),
+                )
+                # They exist nowhere else: their tickets fail, and say why.
+                with engine._lock:
+                    lost, self.pending = self.pending, []
+                    self.settled += len(lost)
+                now = engine._time()
+                for entry in lost:
+                    error = StoreError(
+                        f"service {engine.name!r}: the request could not be committed to the"
+                        f" store before the run ended ({self.last_error})"
+                    )
+                    engine._fail(entry[4], error, None, now)
+            self.committed.set()
+            connection, self.connection = self.connection, None
+            if connection is not None:
+                await trio.to_thread.run_sync(connection.close, limiter=self.limiter)
+
+
+def wall_clock() -> float:
+    return time.time()
