@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -21,16 +21,11 @@ from ._core import (
     _get_ident,
     logger,
 )
-from ._core import (
-    _EMPTY_CONTEXT as _EMPTY,
-)
 from ._exceptions import ServiceClosed
 from ._processors import _ATTEMPTS, _Processors, _Slot
 from ._queue import _check_key
 from ._stores._sync import StoreSync, wall_clock
-from ._ticket import FINAL, RequestT, ResultT, Status, Ticket
-
-_T = TypeVar("_T")
+from ._ticket import RequestT, ResultT, Ticket
 
 # With a store, the most a process claims ahead of its free slots, in capacities.
 _AHEAD = 8
@@ -330,32 +325,7 @@ class _Loop(_Processors[RequestT, ResultT]):
         """
         if self._store_run is None:
             return await self._cancel_in_memory(id_or_key)
-        stored = self._require_store("cancel")
-        # Nothing is claimed meanwhile: a request enqueued just before must not
-        # start between its commit and the cancel.
-        stored.holds += 1
-        try:
-            await self._settle_accepted(stored)
-            found, request_id = await self._in_store(
-                stored.connection_for("cancel").cancel, id_or_key
-            )
-        finally:
-            stored.holds -= 1
-            self._tickle()
-        if found:
-            assert request_id is not None
-            # Running here: no need to wait for the next look at the store.
-            stored.withdraw(request_id, "cancelled")
-            # Claimed here but not started: it never starts.
-            with self._lock:
-                claimed = [ticket for ticket in self._queue if ticket.id == request_id]
-                for ticket in claimed:
-                    self._queue.remove(ticket)
-            for ticket in claimed:
-                stored._drop_claimed(ticket)
-            stored.next_check = -math.inf
-            self._tickle()
-        return found
+        return await self._require_store("cancel").cancel(id_or_key)
 
     async def _cancel_in_memory(self, id_or_key: int | Hashable) -> bool:
         by_id = isinstance(id_or_key, int) and not isinstance(id_or_key, bool)
@@ -450,48 +420,11 @@ class _Loop(_Processors[RequestT, ResultT]):
         message and traceback as text. For a key, the live request, else the
         latest one.
         """
-        stored = self._require_store("lookup")
-        await self._settle_accepted(stored)
-        row = await self._in_store(stored.connection_for("lookup").lookup, id_or_key)
-        if row is None:
-            return None
-        status = Status(row.state)
-        try:
-            request = stored.codec.decode(row.request)
-        except Exception:
-            request = None  # another codec's bytes: the ticket's state still holds
-        ticket: Ticket[Any, Any] = Ticket(
-            request, row.id, status, row.attempts, row.enqueued_at, row.started_at, _EMPTY
-        )
-        if status in FINAL:
-            # (A result this codec cannot decode fails the ticket with the error.)
-            ticket.status, ticket._state = stored._decoded(row)
-        elif not self._finished.is_set():
-            # The ticket follows the row to its final state, wherever it
-            # runs: this process's looks at the store finish it (the next
-            # look, within poll_interval, or at once if it runs here).
-            stored.watched.setdefault(row.id, []).append(ticket)
-        return ticket
-
-    async def _settle_accepted(self, stored: StoreSync) -> None:
-        """Wait until every request this service accepted so far is in the store.
-
-        What the caller enqueued before a cancel or a lookup must be seen by
-        it, as program order says, even though enqueues commit in batches.
-        """
-        with self._lock:
-            wanted = stored.accepted
-        if stored.settled >= wanted:
-            return
-        self._tickle()
-        while stored.settled < wanted and not self._finished.is_set():
-            await stored.committed.wait()
+        return await self._require_store("lookup").lookup(id_or_key)
 
     async def store_statistics(self) -> dict[str, int]:
         """Exact counts of this service's queue in the store, by status, over every process."""
-        stored = self._require_store("store_statistics")
-        await self._settle_accepted(stored)
-        return await self._in_store(stored.connection_for("store_statistics").statistics)
+        return await self._require_store("store_statistics").statistics()
 
     def _require_store(self, what: str) -> StoreSync:
         stored = self._store_run
@@ -499,11 +432,6 @@ class _Loop(_Processors[RequestT, ResultT]):
             raise RuntimeError(f"{what}() needs a service with a store")
         self._check_run("used")
         return stored
-
-    async def _in_store(self, fn: Callable[..., _T], *args: Any) -> _T:
-        stored = self._store_run
-        assert stored is not None
-        return await trio.to_thread.run_sync(fn, self.name, *args, limiter=stored.limiter)
 
     async def join(self) -> None:
         """Wait until nothing is queued, retrying or in flight; close nothing.

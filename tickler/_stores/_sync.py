@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
@@ -27,11 +28,13 @@ from .._codec import Codec
 from .._core import _CANCELLED, _FAILED, _QUEUED, _RETRYING, _RUNNING, _SUCCEEDED, _one_line, logger
 from .._core import _EMPTY_CONTEXT as _EMPTY
 from .._exceptions import RequestFailed, StoreError
-from .._ticket import Status, Ticket
+from .._ticket import FINAL, Status, Ticket
 from ._seam import Batch, BatchResult, Row, Session, Store
 
 if TYPE_CHECKING:
     from .._loop import _Loop
+
+_T = TypeVar("_T")
 
 # With a store, the most a process claims ahead of its free slots, in capacities.
 _AHEAD = 8
@@ -566,6 +569,84 @@ class StoreSync:
             connection, self.connection = self.connection, None
             if connection is not None:
                 await trio.to_thread.run_sync(connection.close, limiter=self.limiter)
+
+    async def cancel(self, id_or_key: object) -> bool:
+        """cancel() of a service with a store: see Service.cancel."""
+        engine = self.engine
+        # Nothing is claimed meanwhile: a request enqueued just before must not
+        # start between its commit and the cancel.
+        self.holds += 1
+        try:
+            await self.settle_accepted()
+            found, request_id = await self._in_store(
+                self.connection_for("cancel").cancel, id_or_key
+            )
+        finally:
+            self.holds -= 1
+            engine._tickle()
+        if found:
+            assert request_id is not None
+            # Running here: no need to wait for the next look at the store.
+            self.withdraw(request_id, "cancelled")
+            # Claimed here but not started: it never starts.
+            with engine._lock:
+                claimed = [ticket for ticket in engine._queue if ticket.id == request_id]
+                for ticket in claimed:
+                    engine._queue.remove(ticket)
+            for ticket in claimed:
+                self._drop_claimed(ticket)
+            self.next_check = -math.inf
+            engine._tickle()
+        return found
+
+    async def lookup(self, id_or_key: object) -> Ticket[Any, Any] | None:
+        """lookup(): see Service.lookup."""
+        engine = self.engine
+        await self.settle_accepted()
+        row = await self._in_store(self.connection_for("lookup").lookup, id_or_key)
+        if row is None:
+            return None
+        status = Status(row.state)
+        try:
+            request = self.codec.decode(row.request)
+        except Exception:
+            request = None  # another codec's bytes: the ticket's state still holds
+        ticket: Ticket[Any, Any] = Ticket(
+            request, row.id, status, row.attempts, row.enqueued_at, row.started_at, _EMPTY
+        )
+        if status in FINAL:
+            # (A result this codec cannot decode fails the ticket with the error.)
+            ticket.status, ticket._state = self._decoded(row)
+        elif not engine._finished.is_set():
+            # The ticket follows the row to its final state, wherever it
+            # runs: this process's looks at the store finish it (the next
+            # look, within poll_interval, or at once if it runs here).
+            self.watched.setdefault(row.id, []).append(ticket)
+        return ticket
+
+    async def settle_accepted(self) -> None:
+        """Wait until every request this service accepted so far is in the store.
+
+        What the caller enqueued before a cancel or a lookup must be seen by
+        it, as program order says, even though enqueues commit in batches.
+        """
+        engine = self.engine
+        with engine._lock:
+            wanted = self.accepted
+        if self.settled >= wanted:
+            return
+        engine._tickle()
+        while self.settled < wanted and not engine._finished.is_set():
+            await self.committed.wait()
+
+    async def statistics(self) -> dict[str, int]:
+        """store_statistics(): see Service.store_statistics."""
+        await self.settle_accepted()
+        return await self._in_store(self.connection_for("store_statistics").statistics)
+
+    async def _in_store(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Call a blocking method of the session on the store's worker thread."""
+        return await trio.to_thread.run_sync(fn, self.engine.name, *args, limiter=self.limiter)
 
 
 def wall_clock() -> float:
