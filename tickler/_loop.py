@@ -357,8 +357,9 @@ class _Loop(_Processors[RequestT, ResultT]):
                 try:
                     self._queue.remove(ticket)
                 except ValueError:
-                    return None  # taken by a processor, about to start
-                removed = ticket
+                    pass  # taken by a processor that has not started it: below
+                else:
+                    removed = ticket
             else:
                 for index, (_, entry) in enumerate(self._incoming):
                     if entry is ticket or (by_id and ticket is None and entry.id == id_or_key):
