@@ -37,7 +37,7 @@ from ._core import (
 from ._exceptions import ServiceClosed
 from ._queue import _QueueSide
 from ._statistics import TIME_BUCKETS
-from ._stores._sync import Withdrawn, wall_clock
+from ._stores._sync import StoreSync, Withdrawn, wall_clock
 from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
 if TYPE_CHECKING:
@@ -97,11 +97,6 @@ def _reset(tokens: list[contextvars.Token[Any]]) -> None:
     """
     for token in tokens:
         token.var.reset(token)
-
-
-def _storable(text: str) -> str:
-    """Text every store can keep: lone surrogates (say, from surrogateescape) and NULs escaped."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 class _Processors(_QueueSide[RequestT, ResultT]):
@@ -363,7 +358,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 if type(state) is Waiting:
                                     self._wake(state)
                             else:
-                                late = self._record_success(ticket, result, context)
+                                late = stored.record_success(ticket, result, context)
                                 if late and withdrawable.cancel_called:
                                     # Taken away as it returned: the outcome is
                                     # recorded (the store decides what holds);
@@ -513,12 +508,12 @@ class _Processors(_QueueSide[RequestT, ResultT]):
             # ends CANCELLED; with a store it goes back to the store, as
             # everything a stop takes away does. No retry, no on_error.
             if self._store_run is not None:
-                self._record("handed_back", ticket, (wall_clock(),))
+                self._sync().record("handed_back", ticket, (wall_clock(),))
             else:
                 self._cancel(ticket, now)
             return
         if self._store_run is not None:
-            self._record_failure(ticket, exc, tb, context)
+            self._sync().record_failure(ticket, exc, tb, context)
             return
         retry = self._retry
         attempt = ticket.attempts
@@ -617,92 +612,11 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                     _format_exception(hook_exc),
                 )
 
-    # -- with a store: record what ended; the loop writes it and then finishes tickets
-
-    def _record(
-        self,
-        kind: str,
-        ticket: Ticket[RequestT, ResultT],
-        values: tuple[Any, ...],
-        local: Any = None,
-    ) -> None:
+    def _sync(self) -> StoreSync:
+        """The store side, on a path that runs only with a store."""
         run = self._store_run
         assert run is not None
-        run.outcomes.append((kind, ticket, values, local))
-        if kind == "handed_back" or kind == "returned":
-            self._stopped_tickets.append(ticket)
-        self._tickle()
-
-    def _record_success(
-        self, ticket: Ticket[RequestT, ResultT], result: Any, context: contextvars.Context
-    ) -> bool:
-        """Record the attempt's success; True if the loop had begun to take it away."""
-        run = self._store_run
-        assert run is not None
-        # Taken away too late: it ended by itself.
-        late = bool(run.reasons) and run.reasons.pop(ticket.id, None) is not None
-        if result is None:
-            # What most handlers return: kept as NULL, read back as None.
-            self._record("succeeded", ticket, (None, wall_clock()), None)
-            return late
-        try:
-            data = run.codec.encode(result)
-            if not isinstance(data, bytes):
-                kind = type(data).__name__
-                raise TypeError(f"codec.encode must return bytes, not {kind}")  # noqa: TRY301
-            # The handler's result as every other process would read it: the
-            # codec's round trip (a tuple comes back a list, say).
-            decoded = run.codec.decode(data)
-        except Exception as exc:
-            # A programming error, not a passing fault: the request fails at
-            # once, never retried (a retry would repeat the handler's effects).
-            error = TypeError(
-                f"the codec cannot encode the result, a {type(result).__name__}: {exc}"
-            )
-            text = (_storable("TypeError"), _storable(str(error)), _storable(str(error)))
-            self._record("failed", ticket, (wall_clock(), *text), (error, None, context))
-            return late
-        self._record("succeeded", ticket, (data, wall_clock()), decoded)
-        return late
-
-    def _record_failure(
-        self,
-        ticket: Ticket[RequestT, ResultT],
-        exc: Exception,
-        tb: types.TracebackType | None,
-        context: contextvars.Context,
-    ) -> None:
-        run = self._store_run
-        assert run is not None
-        if run.reasons and not isinstance(exc, Withdrawn):
-            # Taken away too late: it ended by itself.
-            run.reasons.pop(ticket.id, None)
-        if isinstance(exc, Withdrawn):
-            if exc.reason == "lost":
-                # Another process holds the request now: wait for its outcome.
-                run.tickets.pop(ticket.id, None)
-                run.local.discard(ticket.id)
-                run.watched.setdefault(ticket.id, []).append(ticket)
-                ticket.status = Status.QUEUED
-                return
-            kind = "cancelled" if exc.reason == "cancelled" else "handed_back"
-            self._record(kind, ticket, (wall_clock(),))
-            return
-        text = (
-            _storable(type(exc).__name__),
-            _storable(str(exc)),
-            _storable(_format_exception(exc)),
-        )
-        retry = self._retry
-        if retry is not None and retry.should_retry(ticket.attempts, exc):
-            if not self._may_start:
-                self._record("handed_back", ticket, (wall_clock(),))
-                return
-            delay = retry.delay(ticket.attempts)
-            self._record("retrying", ticket, (wall_clock() + delay, *text))
-            self._log_retry(ticket, exc, delay, context)
-            return
-        self._record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
+        return run
 
     def _abort_mixed(
         self, ticket: Ticket[RequestT, ResultT], exc: BaseException, context: contextvars.Context
@@ -745,12 +659,12 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                 reason = run.reasons.pop(ticket.id, None)
                 if reason is not None:
                     # The loop took the attempt away through the processor's scope.
-                    self._record_failure(ticket, Withdrawn(reason), None, _EMPTY_CONTEXT)
+                    self._sync().record_failure(ticket, Withdrawn(reason), None, _EMPTY_CONTEXT)
                     return
             # With a store a stop never ends a request: it goes back to the store.
             if not _is_cancellation(exc):
                 self._may_start = self._draining = False
-            self._record("handed_back", ticket, (wall_clock(),))
+            self._sync().record("handed_back", ticket, (wall_clock(),))
             return
         if _is_cancellation(exc):
             # By a stop or a crash; or by cancel(), whose request the stop's
@@ -788,7 +702,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
     ) -> None:
         if self._store_run is not None:
             # Claimed but not started: back to the store, to run later.
-            self._record("returned", ticket, (wall_clock(),))
+            self._sync().record("returned", ticket, (wall_clock(),))
             return
         self._finish(ticket, _CANCELLED, (now, None))
         self._cancelled += 1

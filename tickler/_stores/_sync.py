@@ -15,8 +15,10 @@ state through it; the engine holds the StoreSync (``Service._store_run``).
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
+import types
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,7 +27,17 @@ import attrs
 import trio
 
 from .._codec import Codec
-from .._core import _CANCELLED, _FAILED, _QUEUED, _RETRYING, _RUNNING, _SUCCEEDED, _one_line, logger
+from .._core import (
+    _CANCELLED,
+    _FAILED,
+    _QUEUED,
+    _RETRYING,
+    _RUNNING,
+    _SUCCEEDED,
+    _format_exception,
+    _one_line,
+    logger,
+)
 from .._core import _EMPTY_CONTEXT as _EMPTY
 from .._exceptions import RequestFailed, StoreError
 from .._ticket import FINAL, Status, Ticket
@@ -384,7 +396,7 @@ class StoreSync:
                 except Exception as exc:
                     known = Ticket(None, request_id, _RUNNING, attempts, now, now, _EMPTY)
                     why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
-                    engine._record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
+                    self.record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
                     continue
                 # Enqueued in the store's time, by another process: on Trio's clock,
                 # no later than now (for the wait time histogram).
@@ -398,7 +410,7 @@ class StoreSync:
                 known.attempts = attempts - 1
             if not engine._may_start:
                 # Claimed by a batch that was under way when a stop began.
-                engine._record("returned", known, (wall_clock(),))
+                self.record("returned", known, (wall_clock(),))
                 continue
             taken.append(known)
         if taken:
@@ -647,6 +659,96 @@ class StoreSync:
     async def _in_store(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Call a blocking method of the session on the store's worker thread."""
         return await trio.to_thread.run_sync(fn, self.engine.name, *args, limiter=self.limiter)
+
+    # -- what ended: recorded here, written by the next batch, which then finishes tickets
+
+    def record(
+        self,
+        kind: str,
+        ticket: Ticket[Any, Any],
+        values: tuple[Any, ...],
+        local: Any = None,
+    ) -> None:
+        """An attempt ended (or a claimed request goes back): the next batch writes it."""
+        engine = self.engine
+        self.outcomes.append((kind, ticket, values, local))
+        if kind == "handed_back" or kind == "returned":
+            engine._stopped_tickets.append(ticket)
+        engine._tickle()
+
+    def record_success(
+        self, ticket: Ticket[Any, Any], result: Any, context: contextvars.Context
+    ) -> bool:
+        """Record the attempt's success; True if the loop had begun to take it away."""
+        # Taken away too late: it ended by itself.
+        late = bool(self.reasons) and self.reasons.pop(ticket.id, None) is not None
+        if result is None:
+            # What most handlers return: kept as NULL, read back as None.
+            self.record("succeeded", ticket, (None, wall_clock()), None)
+            return late
+        try:
+            data = self.codec.encode(result)
+            if not isinstance(data, bytes):
+                kind = type(data).__name__
+                raise TypeError(f"codec.encode must return bytes, not {kind}")  # noqa: TRY301
+            # The handler's result as every other process would read it: the
+            # codec's round trip (a tuple comes back a list, say).
+            decoded = self.codec.decode(data)
+        except Exception as exc:
+            # A programming error, not a passing fault: the request fails at
+            # once, never retried (a retry would repeat the handler's effects).
+            error = TypeError(
+                f"the codec cannot encode the result, a {type(result).__name__}: {exc}"
+            )
+            text = (_storable("TypeError"), _storable(str(error)), _storable(str(error)))
+            self.record("failed", ticket, (wall_clock(), *text), (error, None, context))
+            return late
+        self.record("succeeded", ticket, (data, wall_clock()), decoded)
+        return late
+
+    def record_failure(
+        self,
+        ticket: Ticket[Any, Any],
+        exc: Exception,
+        tb: types.TracebackType | None,
+        context: contextvars.Context,
+    ) -> None:
+        """Record the attempt's failure: retried in the row, failed, or taken away."""
+        engine = self.engine
+        if self.reasons and not isinstance(exc, Withdrawn):
+            # Taken away too late: it ended by itself.
+            self.reasons.pop(ticket.id, None)
+        if isinstance(exc, Withdrawn):
+            if exc.reason == "lost":
+                # Another process holds the request now: wait for its outcome.
+                self.tickets.pop(ticket.id, None)
+                self.local.discard(ticket.id)
+                self.watched.setdefault(ticket.id, []).append(ticket)
+                ticket.status = Status.QUEUED
+                return
+            kind = "cancelled" if exc.reason == "cancelled" else "handed_back"
+            self.record(kind, ticket, (wall_clock(),))
+            return
+        text = (
+            _storable(type(exc).__name__),
+            _storable(str(exc)),
+            _storable(_format_exception(exc)),
+        )
+        retry = engine._retry
+        if retry is not None and retry.should_retry(ticket.attempts, exc):
+            if not engine._may_start:
+                self.record("handed_back", ticket, (wall_clock(),))
+                return
+            delay = retry.delay(ticket.attempts)
+            self.record("retrying", ticket, (wall_clock() + delay, *text))
+            engine._log_retry(ticket, exc, delay, context)
+            return
+        self.record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
+
+
+def _storable(text: str) -> str:
+    """Text every store can keep: lone surrogates (say, from surrogateescape) and NULs escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def wall_clock() -> float:
