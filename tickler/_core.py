@@ -18,6 +18,7 @@ import collections
 import contextvars
 import itertools
 import logging
+import math
 import sys
 import threading
 import traceback
@@ -67,6 +68,26 @@ def _check_timeout(name: str, value: object, *, allow_zero: bool) -> float | Non
         return float(value)
     except OverflowError:
         raise ValueError(f"{name} must be at most {sys.float_info.max:g} seconds") from None
+
+
+def _check_delay(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"delay must be a number of seconds or None, not {type(value).__name__}")
+    if not value >= 0:
+        raise ValueError("delay must be >= 0")
+    if value == math.inf:
+        raise ValueError("delay must be finite")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"delay must be at most {sys.float_info.max:g} seconds") from None
+
+
+def _check_key(key: object) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
 
 
 def _format_exception(exc: BaseException) -> str:

@@ -17,13 +17,13 @@ from ._core import (
     _QUEUED,
     _RUNNING,
     _SCHEDULED,
+    _check_key,
     _check_timeout,
     _get_ident,
     logger,
 )
 from ._exceptions import ServiceClosed
 from ._processors import _ATTEMPTS, _Processors, _Slot
-from ._queue import _check_key
 from ._stores._sync import StoreSync, wall_clock
 from ._ticket import RequestT, ResultT, Ticket
 

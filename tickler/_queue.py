@@ -5,20 +5,19 @@ from __future__ import annotations
 import contextvars
 import heapq
 import inspect
-import math
-import sys
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import trio
 
-from ._codec import encode_key
 from ._core import (
     _EMPTY_CONTEXT,
     _MISSING,
     _QUEUED,
     _SCHEDULED,
     _UNBOUNDED,
+    _check_delay,
+    _check_key,
     _Context,
     _get_ident,
     _one_line,
@@ -27,32 +26,11 @@ from ._core import (
     logger,
 )
 from ._exceptions import QueueFull, ServiceClosed
-from ._stores._sync import wall_clock
 from ._ticket import RequestT, ResultT, Ticket
 
 _copy_context = contextvars.copy_context
 _new_ticket = object.__new__
 _KEYWORD_ONLY = object()
-
-
-def _check_delay(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"delay must be a number of seconds or None, not {type(value).__name__}")
-    if not value >= 0:
-        raise ValueError("delay must be >= 0")
-    if value == math.inf:
-        raise ValueError("delay must be finite")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"delay must be at most {sys.float_info.max:g} seconds") from None
-
-
-def _check_key(key: object) -> None:
-    try:
-        hash(key)
-    except TypeError:
-        raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
 
 
 class _QueueSide(_ServiceCore[RequestT, ResultT]):
@@ -155,7 +133,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
                     # in-memory hot path pays nothing for the store's path.
                     lock.release()
                     try:
-                        return self._enqueue_stored(request, None, None, ticket)
+                        return self._store_run.accept(request, None, None, ticket)
                     finally:
                         lock.acquire()
                 # Refused, unless it is a follow-up from one of the service's
@@ -258,7 +236,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
     ) -> Ticket[RequestT, ResultT]:
         """enqueue_request with a key or a delay, and for submit (which ``waits``)."""
         if self._store_run is not None:
-            return self._enqueue_stored(request, key, delay, None, waits=waits)
+            return self._store_run.accept(request, key, delay, None, waits=waits)
         if key is not None:
             _check_key(key)
         if delay is not None:
@@ -303,71 +281,6 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
                 self._wake_from_thread()
         if self._debug:
             logger.debug("request #%d added, key %r, delay %r", ticket.id, key, delay)
-        return ticket
-
-    def _enqueue_stored(
-        self,
-        request: RequestT,
-        key: Hashable | None,
-        delay: float | None,
-        ticket: Ticket[RequestT, ResultT] | None,
-        *,
-        waits: bool = False,
-    ) -> Ticket[RequestT, ResultT]:
-        """enqueue_request for a service with a store: encode now, commit at the next batch.
-
-        The request waits in the store run's pending list, bounded by
-        ``max_queue_length``; its ticket's id is 0 until the batch commits it.
-        """
-        run = self._store_run
-        assert run is not None
-        key_text = encode_key(key) if key is not None else None
-        if delay is not None:
-            delay = _check_delay(delay)
-        try:
-            data = run.codec.encode(request)
-        except TypeError:
-            raise
-        except Exception as exc:
-            raise TypeError(f"the codec cannot encode {type(request).__name__}: {exc}") from exc
-        if not isinstance(data, bytes):
-            raise TypeError(f"codec.encode must return bytes, not {type(data).__name__}")
-        # The handler gets what every process would read from the store: the
-        # codec's round trip, here too (a tuple comes back a list, say).
-        try:
-            request = run.codec.decode(data)
-        except Exception as exc:
-            raise TypeError(
-                f"the codec cannot decode what it encoded of a {type(request).__name__}: {exc}"
-            ) from exc
-        status = _QUEUED if delay is None else _SCHEDULED
-        if ticket is None:
-            context = self._capture_context()
-            ticket = Ticket(request, 0, status, 0, None, None, context)
-        else:
-            ticket.request = request
-            ticket.status = status
-        run_at = wall_clock() + (delay or 0.0)
-        with self._lock:
-            self._check_open()
-            bound = self.max_queue_length
-            if bound is not None and len(run.pending) >= bound:
-                if not waits:
-                    self._rejected += 1
-                self._last_context = None
-                raise QueueFull(
-                    f"service {self.name!r} already has {len(run.pending)} requests"
-                    " waiting to be committed"
-                )
-            ticket.enqueued_at = self._time()
-            ticket.id = 0
-            self._last_id += 1
-            run.pending.append((key_text, status.value, data, run_at, ticket))
-            run.accepted += 1
-            if self._thread == _get_ident():
-                self._tickle()
-            else:
-                self._wake_from_thread()
         return ticket
 
     def _has_room(self) -> bool:

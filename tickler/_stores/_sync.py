@@ -20,26 +20,29 @@ import math
 import time
 import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
 
-from .._codec import Codec
+from .._codec import Codec, encode_key
 from .._core import (
     _CANCELLED,
     _FAILED,
     _QUEUED,
     _RETRYING,
     _RUNNING,
+    _SCHEDULED,
     _SUCCEEDED,
+    _check_delay,
     _format_exception,
+    _get_ident,
     _one_line,
     logger,
 )
 from .._core import _EMPTY_CONTEXT as _EMPTY
-from .._exceptions import RequestFailed, StoreError
+from .._exceptions import QueueFull, RequestFailed, StoreError
 from .._ticket import FINAL, Status, Ticket
 from ._seam import Batch, BatchResult, Row, Session, Store
 
@@ -659,6 +662,72 @@ class StoreSync:
     async def _in_store(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Call a blocking method of the session on the store's worker thread."""
         return await trio.to_thread.run_sync(fn, self.engine.name, *args, limiter=self.limiter)
+
+    # -- what comes in
+
+    def accept(
+        self,
+        request: Any,
+        key: Hashable | None,
+        delay: float | None,
+        ticket: Ticket[Any, Any] | None,
+        *,
+        waits: bool = False,
+    ) -> Ticket[Any, Any]:
+        """A request accepted (enqueue_request, submit): encoded now, committed by the next batch.
+
+        The request waits in the pending list, bounded by
+        ``max_queue_length``; its ticket's id is 0 until the batch commits it.
+        """
+        engine = self.engine
+        key_text = encode_key(key) if key is not None else None
+        if delay is not None:
+            delay = _check_delay(delay)
+        try:
+            data = self.codec.encode(request)
+        except TypeError:
+            raise
+        except Exception as exc:
+            raise TypeError(f"the codec cannot encode {type(request).__name__}: {exc}") from exc
+        if not isinstance(data, bytes):
+            raise TypeError(f"codec.encode must return bytes, not {type(data).__name__}")
+        # The handler gets what every process would read from the store: the
+        # codec's round trip, here too (a tuple comes back a list, say).
+        try:
+            request = self.codec.decode(data)
+        except Exception as exc:
+            raise TypeError(
+                f"the codec cannot decode what it encoded of a {type(request).__name__}: {exc}"
+            ) from exc
+        status = _QUEUED if delay is None else _SCHEDULED
+        if ticket is None:
+            context = engine._capture_context()
+            ticket = Ticket(request, 0, status, 0, None, None, context)
+        else:
+            ticket.request = request
+            ticket.status = status
+        run_at = wall_clock() + (delay or 0.0)
+        with engine._lock:
+            engine._check_open()
+            bound = engine.max_queue_length
+            if bound is not None and len(self.pending) >= bound:
+                if not waits:
+                    engine._rejected += 1
+                engine._last_context = None
+                raise QueueFull(
+                    f"service {engine.name!r} already has {len(self.pending)} requests"
+                    " waiting to be committed"
+                )
+            ticket.enqueued_at = engine._time()
+            ticket.id = 0
+            engine._last_id += 1
+            self.pending.append((key_text, status.value, data, run_at, ticket))
+            self.accepted += 1
+            if engine._thread == _get_ident():
+                engine._tickle()
+            else:
+                engine._wake_from_thread()
+        return ticket
 
     # -- what ended: recorded here, written by the next batch, which then finishes tickets
 
