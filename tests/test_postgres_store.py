@@ -195,7 +195,7 @@ def test_a_keyed_insert_tries_again_when_the_live_row_ends_in_between() -> None:
     The statements' answers are scripted here: the race itself cannot be
     timed from a test; the helper's handling of it can.
     """
-    from tickler._sqlite import _INSERT, insert_keyed
+    from tickler._stores._sql import insert_keyed
 
     answers = iter([None, None, (5,)])  # conflict, no live row any more, inserted
 
@@ -209,10 +209,11 @@ def test_a_keyed_insert_tries_again_when_the_live_row_ends_in_between() -> None:
     asked: list[bool] = []
 
     def execute(sql: str, params: Any) -> Result:
-        asked.append(sql == _INSERT)
+        asked.append(sql == "insert")
         return Result(next(answers))
 
-    assert insert_keyed(execute, "jobs", '"k"', "queued", b"1", 0.0, 0.0) == (5, True)
+    params = ("jobs", '"k"', "queued", b"1", 0.0, 0.0)
+    assert insert_keyed(execute, "insert", "live", '"k"', params) == (5, True)
     assert asked == [True, False, True]
 
 
@@ -400,9 +401,8 @@ def test_the_claim_never_takes_an_expired_lease_whose_cancel_was_asked_for(
                 " SET cancel_requested = FALSE WHERE id = %s",
                 (lapsed,),
             )
-        now = connection._now()
-        params = {"owner": "me", "lease_until": now + 30, "now": now, "queue": "jobs", "limit": 10}
-        claimed = connection._x(connection.claim_sql, params).fetchall()
+        now, _ = connection.now()
+        claimed = connection.claim("jobs", "me", now, now + 30, 10)()
         assert [row[0] for row in claimed] == [lapsed]  # only the one without a cancel
     finally:
         connection.close()
@@ -424,23 +424,18 @@ async def test_lookup_of_a_finished_request_by_key_reads_an_index(
             )
             caller.execute(f"ANALYZE {table}")
         asked: list[tuple[str, Any]] = []
-        run = connection._x
+        run = connection.execute
 
         def spy(sql: str, params: Any = ()) -> Any:
             asked.append((sql, params))
             return run(sql, params)
 
-        connection._x = spy  # type: ignore[method-assign]
+        connection.execute = spy  # type: ignore[method-assign]
         found = connection.lookup("jobs", "k77")
         assert found is not None
         assert found.state == "succeeded"
         ((sql, params),) = asked
-        from tickler._postgres import _psycopg_style
-
-        plan = "\n".join(
-            row[0]
-            for row in driver_of(connection).execute("EXPLAIN " + _psycopg_style(sql), params)
-        )
+        plan = "\n".join(row[0] for row in driver_of(connection).execute("EXPLAIN " + sql, params))
         assert "tickler_keys" in plan, plan
         assert "Seq Scan" not in plan, plan
     finally:

@@ -355,7 +355,7 @@ async def test_create_schema_lets_enqueue_in_come_first(backend: Backend) -> Non
 
 async def test_create_schema_upgrades_an_older_sqlite_file(tmp_path: Path) -> None:
     """create_schema() migrates as a service's start does: the file is at the current version."""
-    from tickler._sqlite import _INDEXES_OF_V2, SCHEMA_VERSION
+    from tickler._stores.sqlite import _INDEXES_OF_V2, SCHEMA_VERSION
 
     store = tickler.SqliteStore(tmp_path / "queue.db")
     store.create_schema()

@@ -10,16 +10,16 @@ from ._exceptions import RequestFailed as RequestFailed
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
-from ._postgres import PostgresStore as PostgresStore
 from ._processors import current_service as current_service
 from ._processors import current_ticket as current_ticket
 from ._retry import Retry as Retry
 from ._service import Service as Service
 from ._service import open_service as open_service
-from ._sqlite import SqliteStore as SqliteStore
 from ._statistics import TIME_BUCKETS as TIME_BUCKETS
 from ._statistics import Histogram as Histogram
 from ._statistics import ServiceStatistics as ServiceStatistics
+from ._stores.postgres import PostgresStore as PostgresStore
+from ._stores.sqlite import SqliteStore as SqliteStore
 from ._ticket import Status as Status
 from ._ticket import Ticket as Ticket
 

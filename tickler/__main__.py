@@ -11,17 +11,14 @@ import argparse
 import contextlib
 import io
 import re
-import sqlite3
 import sys
 import traceback
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
-from ._postgres import SCHEMA_VERSION as postgres_version
-from ._postgres import _psycopg_style
-from ._sqlite import _MIGRATIONS, COUNTED, SCHEMA_VERSION
+from ._stores import postgres, sqlite
+from ._stores._sql import QueueReport
 
 _PREFIX = "sqlite:///"
 _LATEST_FAILURES = 5
@@ -79,31 +76,15 @@ def redact(text: str, sources: Iterable[str] = ()) -> str:
     return _MESSAGE_PASSWORD.sub(rf"\1{_MASK}", text)
 
 
-# As the stores' statistics(): running rows claimed ahead, not started, apart.
-_COUNTS = (
-    "SELECT queue, CASE WHEN state = 'running' AND started_at IS NULL THEN 'claimed'"
-    " ELSE state END AS s, count(*) FROM tickler_requests GROUP BY queue, s"
-)
-_FAILURES = (
-    "SELECT id, attempts, error_type, error_message FROM tickler_requests"
-    " WHERE queue = ? AND state = 'failed' ORDER BY finished_at DESC LIMIT ?"
-)
-
-
-def _report(execute: Any) -> str:
-    """The report, from a function that runs one statement with ? placeholders."""
-    counts: dict[str, dict[str, int]] = {}
-    for queue, state, count in execute(_COUNTS, ()):
-        counts.setdefault(queue, dict.fromkeys(COUNTED, 0))[state] = count
+def _report(queues: dict[str, QueueReport]) -> str:
+    """The report: each queue's counts by status, then its latest failures."""
     lines = []
-    if not counts:
+    if not queues:
         lines.append("no requests")
-    for queue in sorted(counts):
-        states = counts[queue]
-        lines.append(f"queue {queue!r}: " + ", ".join(f"{n} {s}" for s, n in states.items()))
-        for request_id, attempts, error_type, message in execute(
-            _FAILURES, (queue, _LATEST_FAILURES)
-        ):
+    for queue, found in queues.items():
+        counts = ", ".join(f"{n} {state}" for state, n in found.counts.items())
+        lines.append(f"queue {queue!r}: {counts}")
+        for request_id, attempts, error_type, message in found.failures:
             lines.append(
                 f"  failed #{request_id} after {attempts} attempt(s): {error_type}: {message}"
             )
@@ -112,47 +93,16 @@ def _report(execute: Any) -> str:
 
 def inspect_postgres(dsn: str, schema: str) -> str:
     """The report for one schema; raises ValueError if it cannot be read."""
-    import psycopg
-    import psycopg.sql
-
     try:
-        db = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
-    except (psycopg.Error, ValueError) as exc:
+        return _report(postgres.inspect(dsn, schema, _LATEST_FAILURES))
+    except ValueError as exc:
         # libpq quotes a malformed DSN, or a piece of it, in its message.
-        raise ValueError(f"cannot connect: {redact(str(exc), [dsn])}".strip()) from None
-    try:
-        db.execute("SET default_transaction_read_only = on")
-        db.execute(psycopg.sql.SQL("SET search_path TO {}").format(psycopg.sql.Identifier(schema)))
-        try:
-            version = db.execute("SELECT version FROM tickler_schema").fetchone()
-        except psycopg.Error:
-            raise ValueError(f"schema {schema!r}: not a tickler store") from None
-        if version is None or version[0] != postgres_version:
-            raise ValueError(f"schema {schema!r}: tickler schema version unknown")
-        return _report(lambda sql, params: db.execute(_psycopg_style(sql), params).fetchall())
-    finally:
-        db.close()
+        raise ValueError(redact(str(exc), [dsn])) from None
 
 
 def inspect_sqlite(path: Path) -> str:
     """The report for one file; raises ValueError for a missing or foreign file."""
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise ValueError(f"{path}: cannot open it ({exc})") from None
-    try:
-        try:
-            version = db.execute("SELECT version FROM tickler_schema").fetchone()
-        except sqlite3.DatabaseError:
-            raise ValueError(f"{path}: not a tickler store") from None
-        # An older version reads the same (a migration changes only indexes).
-        if version is None or (version[0] != SCHEMA_VERSION and version[0] not in _MIGRATIONS):
-            raise ValueError(f"{path}: tickler schema version {version and version[0]} unknown")
-        return _report(lambda sql, params: db.execute(sql, params).fetchall())
-    finally:
-        db.close()
+    return _report(sqlite.inspect(path, _LATEST_FAILURES))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

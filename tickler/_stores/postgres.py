@@ -1,9 +1,9 @@
 """PostgresStore: one queue shared by many replicas, in a PostgreSQL schema.
 
-The batch logic is SqliteStore's (see _sqlite.Connection); this module gives
-it PostgreSQL's dialect: psycopg 3's synchronous connections on the service's
-worker thread, claims with FOR UPDATE SKIP LOCKED, a NOTIFY per batch that
-enqueues, and a reconnect when the server went away.
+The batch is the script of _sql.run_batch, over PostgreSQL's dialect,
+PostgresSession: psycopg 3's synchronous connections on the service's
+worker thread, in pipeline mode; claims with FOR UPDATE SKIP LOCKED; a
+NOTIFY per batch that enqueues; and a reconnect when the server went away.
 """
 
 from __future__ import annotations
@@ -16,22 +16,26 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import trio
-
-from ._codec import Codec
-from ._exceptions import StoreError
-from ._sqlite import (
-    _ANY_LIVE,
-    _INSERT,
-    _INSERT_MANY,
-    _LIVE_ID_OF_KEY,
-    _NEXT_DUE,
-    _SETS,
-    Connection,
-    _positive,
-    enqueue_through,
+from .._codec import Codec
+from .._exceptions import StoreError
+from ._pg_listen import Listener
+from ._seam import Batch, BatchResult, Claimed, Row
+from ._sql import (
+    COUNTED_STATE,
+    INSERT_COLUMNS,
+    ROW_COLUMNS,
+    SETS,
+    QueueReport,
+    Statements,
+    cancel,
+    counts,
+    insert_keyed,
+    lookup,
+    prepare_enqueue,
+    report,
+    run_batch,
+    seconds,
 )
-from ._stores._seam import Batch, BatchResult
 
 if TYPE_CHECKING:
     import psycopg
@@ -83,6 +87,48 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled')
 """
 
+# The states of the partial indexes above, in their very words, so that a
+# query holding them is planned on the index.
+_READY = "state IN ('queued', 'scheduled', 'retrying')"
+_LIVE_STATE = "state IN ('queued', 'scheduled', 'running', 'retrying')"
+_FINAL_STATE = "state IN ('succeeded', 'failed', 'cancelled')"
+
+_LIVE_WHERE = f"SELECT id, state FROM tickler_requests WHERE queue = %s AND {_LIVE_STATE} AND"  # noqa: S608 (constants only)
+_ROW = f"SELECT {ROW_COLUMNS} FROM tickler_requests"  # noqa: S608 (constants only)
+# Locks the row until the transaction ends: a cancel commits before or after a batch
+# that writes the row, never in between.
+_FOR_UPDATE = " FOR UPDATE"
+
+_STATEMENTS = Statements(
+    insert=f"{INSERT_COLUMNS} VALUES (%s, %s, %s, %s, %s, %s)"
+    f" ON CONFLICT (queue, key) WHERE key IS NOT NULL AND {_LIVE_STATE} DO NOTHING RETURNING id",
+    live_id_of_key="SELECT id FROM tickler_requests"  # noqa: S608 (constants only)
+    f" WHERE queue = %s AND key = %s AND key IS NOT NULL AND {_LIVE_STATE}",
+    renew="UPDATE tickler_requests SET lease_until = %s"
+    " WHERE queue = %s AND state = 'running' AND owner = %s",
+    mine="SELECT id, cancel_requested FROM tickler_requests"
+    " WHERE queue = %s AND state = 'running' AND owner = %s",
+    end_cancelled_orphans="UPDATE tickler_requests"
+    " SET state = 'cancelled', finished_at = %s, owner = NULL, lease_until = NULL"
+    " WHERE queue = %s AND state = 'running' AND lease_until < %s AND owner <> %s"
+    " AND cancel_requested",
+    recent=f"SELECT id FROM tickler_requests WHERE queue = %s AND {_FINAL_STATE}"  # noqa: S608 (constants only)
+    " AND finished_at >= %s",
+    prune="DELETE FROM tickler_requests WHERE id IN ("  # noqa: S608 (constants only)
+    f" SELECT id FROM tickler_requests WHERE queue = %s AND {_FINAL_STATE} AND finished_at < %s"
+    " LIMIT %s)",
+    has="SELECT 1 FROM tickler_requests WHERE id = %s",
+    row_by_id=f"{_ROW} WHERE queue = %s AND id = %s",
+    row_by_key=f"{_ROW} WHERE queue = %s AND key = %s"
+    " ORDER BY state NOT IN ('queued', 'scheduled', 'running', 'retrying'), id DESC LIMIT 1",
+    live_by_id=f"{_LIVE_WHERE} id = %s{_FOR_UPDATE}",
+    live_by_key=f"{_LIVE_WHERE} key = %s{_FOR_UPDATE}",
+    ask_cancel="UPDATE tickler_requests SET cancel_requested = TRUE WHERE id = %s",
+    cancel_now="UPDATE tickler_requests SET state = 'cancelled', finished_at = %s WHERE id = %s",
+    counts=f"SELECT {COUNTED_STATE} AS s, count(*) FROM tickler_requests"  # noqa: S608 (constants only)
+    " WHERE queue = %s GROUP BY s",
+)
+
 # One statement per wake-up: the oldest ready rows and the expired leases,
 # skipping rows another replica is claiming at this instant. Each kind is
 # ordered and limited on its own partial index (tickler_ready,
@@ -96,60 +142,56 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 # can commit in between). The ids are picked first, as an array, so that the
 # rows are then found by primary key: a join with the picked ids may be
 # planned as a hash join over a scan of the whole table.
-_CLAIM = """
+_CLAIM = f"""
 UPDATE tickler_requests AS t
-SET state = 'running', owner = :owner, lease_until = :lease_until,
+SET state = 'running', owner = %(owner)s, lease_until = %(lease_until)s,
     attempts = t.attempts + 1, started_at = NULL
 WHERE t.id = ANY(ARRAY(
     SELECT id FROM (
         SELECT id, run_at AS due FROM (
             SELECT id, run_at FROM tickler_requests
-            WHERE queue = :queue AND state IN ('queued', 'scheduled', 'retrying')
-                AND run_at <= :now
-            ORDER BY run_at, id LIMIT :limit
+            WHERE queue = %(queue)s AND {_READY} AND run_at <= %(now)s
+            ORDER BY run_at, id LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ) AS ready
         UNION ALL
         SELECT id, run_at FROM (
             SELECT id, run_at FROM tickler_requests
-            WHERE queue = :queue AND state = 'running' AND lease_until < :now
-                AND owner <> :owner AND NOT cancel_requested
-            ORDER BY lease_until LIMIT :limit
+            WHERE queue = %(queue)s AND state = 'running' AND lease_until < %(now)s
+                AND owner <> %(owner)s AND NOT cancel_requested
+            ORDER BY lease_until LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ) AS expired
     ) AS both_kinds
-    ORDER BY due, id LIMIT :limit
+    ORDER BY due, id LIMIT %(limit)s
 ))
 RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at
-"""
+"""  # noqa: S608 (constants only)
 
-# After the claim, the batch asks when the next ready row falls due and
-# whether anything is live. Both are answered here by one statement, each
-# part an ordered LIMIT 1 on its partial index: an EXISTS over the ready
-# states may be planned as a sequential scan, which reads every finished
-# row ahead of the first ready one.
-_DUE_AND_LIVE = """
+# When the next ready row falls due, and whether anything is live, in one
+# statement, each part an ordered LIMIT 1 on its partial index: an EXISTS
+# over the ready states may be planned as a sequential scan, which reads
+# every finished row ahead of the first ready one.
+_DUE_AND_LIVE = f"""
 SELECT (
     SELECT run_at FROM tickler_requests
-    WHERE queue = %(queue)s AND state IN ('queued', 'scheduled', 'retrying')
+    WHERE queue = %(queue)s AND {_READY}
     ORDER BY run_at LIMIT 1
 ), (
     SELECT 1 FROM tickler_requests
     WHERE queue = %(queue)s AND state = 'running'
     ORDER BY lease_until LIMIT 1
 ) IS NOT NULL
-"""
+"""  # noqa: S608 (constants only)
 
-_PLACEHOLDER = re.compile(r"\?|(?<!:):([a-z_]+)")
+_STARTED = (
+    "UPDATE tickler_requests SET started_at = %s WHERE id = ANY(%s::int8[])"
+    " AND owner = %s AND state = 'running' AND started_at IS NULL"
+)
 
+_FINALS = f"{_ROW} WHERE id = ANY(%s::int8[]) AND {_FINAL_STATE}"
 
-@functools.lru_cache(maxsize=1024)
-def _psycopg_style(sql: str) -> str:
-    """SQLite's ? and :name placeholders as psycopg's %s and %(name)s."""
-    return _PLACEHOLDER.sub(lambda m: f"%({m.group(1)})s" if m.group(1) else "%s", sql)
-
-
-# The SQL type of each value an outcome writes (see Connection.run), after
+# The SQL type of each value an outcome writes (see _sql.run_batch), after
 # the id and before the batch's time: the arrays unnest() reads them from.
 _OUTCOME_TYPES = {
     "succeeded": ("bytea", "float8"),
@@ -167,7 +209,7 @@ def _outcome_sql(kind: str) -> str:
     types = ("int8", *_OUTCOME_TYPES[kind], "float8")
     columns = ", ".join(f"column{i}" for i in range(1, len(types) + 1))
     arrays = ", ".join(f"%s::{t}[]" for t in types)
-    sets = _SETS[kind].format(now=f"v.column{len(types)}")
+    sets = SETS[kind].format(now=f"v.column{len(types)}")
     return (
         f"UPDATE tickler_requests SET {sets}, owner = NULL, lease_until = NULL"  # noqa: S608
         f" FROM unnest({arrays}) AS v({columns})"
@@ -197,31 +239,6 @@ def _open_connection(dsn: str) -> psycopg.Connection[Any]:
         key: value for key, value in _KEEPALIVES.items() if key not in given
     }
     return psycopg.connect(dsn, autocommit=True, connect_timeout=10, **keepalives)
-
-
-class _DueAndLive:
-    """_DUE_AND_LIVE's one row, read once, when _NEXT_DUE's or _ANY_LIVE's answer is."""
-
-    def __init__(self, cursor: Any) -> None:
-        self.cursor = cursor
-        self.row: tuple[Any, bool] | None = None
-
-    def get(self, which: int) -> Any:
-        if self.row is None:
-            due, running = self.cursor.fetchone()
-            self.row = (due, due is not None or bool(running))
-        return self.row[which]
-
-
-class _Answer:
-    """_NEXT_DUE's answer (which=0) or _ANY_LIVE's (which=1), from _DueAndLive."""
-
-    def __init__(self, both: _DueAndLive, which: int) -> None:
-        self.both = both
-        self.which = which
-
-    def fetchone(self) -> tuple[Any]:
-        return (self.both.get(self.which),)
 
 
 class PostgresStore:
@@ -272,20 +289,20 @@ class PostgresStore:
                 "schema must be a lower-case SQL identifier: letters, digits and _, at most 55"
             )
         self.dsn = dsn
-        self.lease = _positive("lease", lease)
-        self.poll_interval = _positive("poll_interval", poll_interval)
+        self.lease = seconds("lease", lease)
+        self.poll_interval = seconds("poll_interval", poll_interval)
         self.notify = notify
         self.schema = schema
-        self.retention = _positive("retention", retention, allow_zero=True)
+        self.retention = seconds("retention", retention, allow_zero=True)
         self._codecs: dict[str, Codec] = {}
-        self._enqueue_sql: dict[str, str] | None = None
+        self._enqueue_sql: tuple[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"tickler.PostgresStore(schema={self.schema!r})"
 
-    def connect(self) -> PostgresConnection:
+    def connect(self) -> PostgresSession:
         """Connect, creating or checking the schema. Blocking: call it on a thread."""
-        return PostgresConnection(self)
+        return PostgresSession(self)
 
     def create_schema(self) -> None:
         """Create the schema and tickler's tables in it, unless they exist.
@@ -301,7 +318,7 @@ class PostgresStore:
             StoreError: the server cannot be reached, the schema holds
                 tables that are not tickler's, or another schema version.
         """
-        PostgresConnection(self).close()
+        PostgresSession(self).close()
 
     def enqueue_in(
         self,
@@ -332,23 +349,20 @@ class PostgresStore:
 
         if not isinstance(connection, psycopg.Connection):
             raise TypeError("connection must be a psycopg.Connection")
+        key_text, state, data, run_at, now = prepare_enqueue(
+            self._codecs, queue, request, key, delay
+        )
+        # The server's clock, not this process's: only the delay goes as a
+        # value (see _enqueue_statements).
+        params: tuple[Any, ...] = (queue, key_text, state, data, run_at - now)
+        if self.notify:
+            params = (*params, self.channel, queue)  # pg_notify's
+        insert, live = self._enqueue_statements()
         # A cursor of its own reads rows as tuples, whatever the connection's
         # row factory.
-        statements = self._enqueue_statements()
         with connection.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
-
-            def x(sql: str, params: Any) -> Any:
-                if sql == _INSERT:
-                    # The server's clock, not this process's: only the delay
-                    # goes as a value (see _enqueue_statements).
-                    *values, run_at, now = params
-                    params = (*values, run_at - now)
-                    if self.notify:
-                        params = (*params, self.channel, queue)  # pg_notify's
-                return cursor.execute(statements[sql], params)
-
             try:
-                return enqueue_through(x, self._codecs, queue, request, key, delay)
+                return int(insert_keyed(cursor.execute, insert, live, key_text, params)[0])
             except psycopg.errors.UndefinedTable:
                 raise StoreError(
                     f"schema {self.schema!r} has no tickler tables yet: create them with"
@@ -357,7 +371,7 @@ class PostgresStore:
                     " failed statement aborted the connection's transaction: roll it back"
                 ) from None
 
-    def _enqueue_statements(self) -> dict[str, str]:
+    def _enqueue_statements(self) -> tuple[str, str]:
         """enqueue_in's statements, in this store's schema whatever the caller's search_path.
 
         The insert sends the NOTIFY itself when it inserts a row: one round
@@ -367,18 +381,23 @@ class PostgresStore:
         enqueued at the statement's time, and due ``delay`` later.
         """
         if self._enqueue_sql is None:
-            qualified = f'"{self.schema}".tickler_requests'
+            table = f'"{self.schema}".tickler_requests'
             at = "extract(epoch FROM statement_timestamp())::float8"
-            values = "VALUES (%s, %s, %s, %s, %s, %s)"
-            insert = _psycopg_style(_INSERT).replace("tickler_requests", qualified, 1)
-            assert values in insert
-            insert = insert.replace(values, f"VALUES (%s, %s, %s, %s, {at} + %s, {at})")
+            insert = (
+                f"INSERT INTO {table} (queue, key, state, request, run_at, enqueued_at)"  # noqa: S608
+                f" VALUES (%s, %s, %s, %s, {at} + %s, {at})"
+                f" ON CONFLICT (queue, key) WHERE key IS NOT NULL AND {_LIVE_STATE}"
+                " DO NOTHING RETURNING id"
+            )
             if self.notify:
                 # The channel and queue are parameters' values, never SQL:
                 # only the placeholders for them are added here.
                 insert = f"WITH inserted AS ({insert}) SELECT id, pg_notify(%s, %s) FROM inserted"  # noqa: S608
-            live = _psycopg_style(_LIVE_ID_OF_KEY).replace("tickler_requests", qualified, 1)
-            self._enqueue_sql = {_INSERT: insert, _LIVE_ID_OF_KEY: live}
+            live = (
+                f"SELECT id FROM {table}"  # noqa: S608
+                f" WHERE queue = %s AND key = %s AND key IS NOT NULL AND {_LIVE_STATE}"
+            )
+            self._enqueue_sql = (insert, live)
         return self._enqueue_sql
 
     def use_codec(self, queue: str, codec: Codec) -> None:
@@ -387,7 +406,11 @@ class PostgresStore:
 
     def listener(self, queue: str) -> Listener | None:
         """A LISTEN on this schema's channel for ``queue``, or None with notify=False."""
-        return Listener(self, queue) if self.notify else None
+        if not self.notify:
+            return None
+        return Listener(
+            functools.partial(_open_connection, self.dsn), self.channel, queue, self.poll_interval
+        )
 
     @property
     def channel(self) -> str:
@@ -395,164 +418,45 @@ class PostgresStore:
         return f"tickler_{self.schema}"
 
 
-class Listener:
-    """LISTEN on a connection of its own, in the Trio thread; calls ``wake`` per notification.
+class PostgresSession:
+    """One service's connection to the server, and PostgreSQL's dialect of _sql.run_batch.
 
-    Connecting and the LISTEN run on a worker thread; the wait for
-    notifications is ``trio.lowlevel.wait_readable`` on the connection's
-    socket, then ``psycopg.pq`` reads them: no thread hop between a NOTIFY
-    and the loop (see the README for the measurement). A lost connection is
-    opened again every second, with a WARNING when it is lost and one when
-    it listens again; the poll covers whatever was notified meanwhile.
+    Used by one thread at a time.
     """
 
-    def __init__(self, store: PostgresStore, queue: str) -> None:
-        self.store = store
-        self.queue = queue
-
-    def _connect(self) -> psycopg.Connection[Any]:
-        import psycopg
-        import psycopg.sql
-
-        listen = psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(self.store.channel))
-        db = _open_connection(self.store.dsn)
-        try:
-            db.execute(listen)
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    async def run(self, wake: Callable[[], None]) -> None:
-        """Listen until cancelled."""
-        import psycopg
-
-        lost: str | None = None  # why the last connection failed, until one listens again
-        queue = self.queue.encode()
-        while True:
-            try:
-                db = await trio.to_thread.run_sync(self._connect)
-            except psycopg.Error as exc:
-                lost = self._lost(lost, exc)
-                await trio.sleep(1.0)
-                continue
-            pgconn = db.pgconn
-            socket = pgconn.socket
-            try:
-                if lost is not None:
-                    logger.warning("service %r: listening for NOTIFY again", self.queue)
-                    lost = None
-                wake()  # what was notified before the LISTEN, or while it was lost
-                while True:
-                    await trio.lowlevel.wait_readable(socket)
-                    pgconn.consume_input()  # raises once the connection is lost
-                    while (notice := pgconn.notifies()) is not None:
-                        if notice.extra == queue:
-                            wake()
-            except psycopg.Error as exc:
-                lost = self._lost(lost, exc)
-            finally:
-                with trio.CancelScope(shield=True):
-                    trio.lowlevel.notify_closing(socket)
-                    await trio.to_thread.run_sync(db.close)
-            await trio.sleep(1.0)  # (only a lost connection gets here)
-
-    def _lost(self, lost: str | None, exc: Exception) -> str:
-        if lost is None:
-            lost = " ".join(str(exc).split()) or type(exc).__name__
-            logger.warning(
-                "service %r: the NOTIFY connection failed (%s); trying again every"
-                " second, and polling every %s s meanwhile",
-                self.queue,
-                lost,
-                self.store.poll_interval,
-            )
-        return lost
-
-
-class PostgresConnection(Connection):
-    """One service's connection to the server, used by one thread at a time."""
-
-    claim_sql = _CLAIM
-    lock_rows = " FOR UPDATE"
+    statements = _STATEMENTS
     reads_after_commit = True  # a pipeline's answers stay with their cursors
     # Replicas commit concurrently, so a row can become final with a time
     # earlier than a look that did not see it yet: reach back further (the
     # sweep every 30 looks catches a commit slower than this).
     finals_overlap = 10.0
 
-    def _now(self) -> float:
-        """The server's clock: one clock for every replica's leases and times.
-
-        Also sets the shift from this process's clock to the server's. It is
-        measured from this process's time before the question, so it is
-        never less than the true one: a request enqueued here before the
-        batch is due in the batch's claim, and a delay never ends early.
-        """
-        asked_at = time.time()
-        row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
-        now = float(row[0])
-        self._shift = now - asked_at
-        return now
-
     def __init__(self, store: PostgresStore) -> None:
-        self.pg_store = store
+        self.store = store
         self.db = self._open()
-        # (queue, the answer) of the batch's _NEXT_DUE, which _ANY_LIVE reads too.
-        self._due_and_live: tuple[str, _DueAndLive] | None = None
         self._pipeline: psycopg.Pipeline | None = None
 
     def _open(self) -> psycopg.Connection[Any]:
         import psycopg
 
-        store = self.pg_store
+        store = self.store
         try:
             db = _open_connection(store.dsn)
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from None
         try:
-            self._check_schema(db, store.schema)
+            _check_schema(db, store.schema)
         except BaseException:
             db.close()
             raise
         return db
 
-    @staticmethod
-    def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:  # type: ignore[override]
-        with db.transaction():
-            # One replica creates the schema; the others wait for it here.
-            db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"tickler:{schema}",))
-            db.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-            tables = {
-                row[0]
-                for row in db.execute(
-                    "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
-                    (schema,),
-                )
-            }
-            if "tickler_schema" not in tables:
-                if tables:
-                    raise StoreError(
-                        f"schema {schema!r} holds tables that are not tickler's;"
-                        " give tickler a schema of its own"
-                    )
-                db.execute(f'SET LOCAL search_path TO "{schema}"')
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                db.execute("INSERT INTO tickler_schema VALUES (%s)", (SCHEMA_VERSION,))
-        db.execute(f'SET search_path TO "{schema}"')
-        row = db.execute("SELECT version FROM tickler_schema").fetchone()
-        if row is None or row[0] != SCHEMA_VERSION:
-            raise StoreError(
-                f"schema {schema!r} has tickler schema version {row and row[0]}; this tickler"
-                f" reads version {SCHEMA_VERSION}"
-            )
+    # -- the Session
 
     def run(
         self, queue: str, owner: str, lease: float, retention: float, batch: Batch
     ) -> BatchResult:
-        """Connection.run in psycopg's pipeline mode.
+        """_sql.run_batch in psycopg's pipeline mode.
 
         A statement whose answer the batch does not read (BEGIN, the lease
         renewal, the end of cancelled orphans, the NOTIFY) waits to go out
@@ -560,12 +464,11 @@ class PostgresConnection(Connection):
         which costs a wait for the GIL as well as the network.
         """
         self._reconnect_if_broken()
-        self._due_and_live = None
         try:
             with self.db.pipeline() as pipeline:
                 self._pipeline = pipeline
                 try:
-                    return super().run(queue, owner, lease, retention, batch)
+                    return run_batch(self, queue, owner, lease, retention, batch)
                 finally:
                     self._pipeline = None
         except BaseException:
@@ -576,62 +479,39 @@ class PostgresConnection(Connection):
             self._reset("a failed batch")
             raise
 
-    def _x(self, sql: str, params: Any = ()) -> Any:
-        if sql is _NEXT_DUE:
-            # _ANY_LIVE comes next in the batch: one statement answers both,
-            # read only when asked, so that it goes out with the claim.
-            (queue,) = params
-            self._due_and_live = (
-                queue,
-                _DueAndLive(self.db.execute(_DUE_AND_LIVE, {"queue": queue})),
-            )
-            return _Answer(self._due_and_live[1], 0)
-        if sql is _ANY_LIVE and self._due_and_live is not None:
-            queue, both = self._due_and_live
-            if queue == params[0]:
-                self._due_and_live = None
-                return _Answer(both, 1)
-        return self.db.execute(_psycopg_style(sql), params)
+    # psycopg learns that the server ended a session only when a statement
+    # fails: these calls then connect again and try once more. (A batch
+    # needs no such care: the loop retries it, and begin() reconnects.)
+    # Any other error is rolled back (see rollback()), so that it cannot
+    # fail the calls and batches after it.
 
-    def _insert_rows(self, marks: str, params: list[Any], expected: int) -> Iterable[int]:
-        """As Connection's, but read back: other sessions draw from the same sequence."""
-        rows = self._x(f"{_INSERT_MANY} {marks} RETURNING id", params).fetchall()
-        # One statement allocates ids in the order of its rows.
-        return sorted(request_id for (request_id,) in rows)
+    def lookup(self, queue: str, id_or_key: object) -> Row | None:
+        return self._twice(lookup, queue, id_or_key)  # type: ignore[no-any-return]
 
-    def _mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
-        """As Connection's, with the ids as an array."""
-        self.db.execute(
-            "UPDATE tickler_requests SET started_at = %s WHERE id = ANY(%s::int8[])"
-            " AND owner = %s AND state = 'running' AND started_at IS NULL",
-            (now, list(ids), owner),
-        )
+    def cancel(self, queue: str, id_or_key: object) -> tuple[bool, int | None]:
+        return self._twice(cancel, queue, id_or_key)  # type: ignore[no-any-return]
 
-    def _write_outcomes(
-        self, owner: str, outcomes: list[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
-        """As Connection's, one statement per kind: its values as arrays, one per column."""
-        by_kind: dict[str, list[tuple[Any, ...]]] = {}
-        for kind, request_id, values in outcomes:
-            if len(values) != len(_OUTCOME_TYPES.get(kind, ())):
-                return super()._write_outcomes(owner, outcomes, now)  # a kind of another shape
-            by_kind.setdefault(kind, []).append((request_id, *values, now))
-        applied: dict[int, str] = {}
-        for kind, rows in by_kind.items():
-            arrays = [list(column) for column in zip(*rows, strict=True)]
-            applied.update(self.db.execute(_outcome_sql(kind), [*arrays, owner]).fetchall())
-        return [applied.get(request_id) for _, request_id, _ in outcomes]
+    def statistics(self, queue: str) -> dict[str, int]:
+        return self._twice(counts, queue)  # type: ignore[no-any-return]
 
-    def _begin(self) -> None:
+    def close(self) -> None:
+        self.db.close()
+
+    # -- the Dialect
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        return self.db.execute(sql, params)
+
+    def begin(self) -> None:
         self._reconnect_if_broken()  # the server went away, and the loop retries
         self.db.execute("BEGIN")
 
-    def _commit(self) -> None:
+    def commit(self) -> None:
         self.db.execute("COMMIT")
         if self._pipeline is not None:
             self._pipeline.sync()  # the COMMIT's answer, and its error, before run returns
 
-    def _rollback(self) -> None:
+    def rollback(self) -> None:
         """Roll back after an error; out of a batch, close the session if that fails.
 
         In a batch (in pipeline mode), run() closes the session instead.
@@ -653,7 +533,78 @@ class PostgresConnection(Connection):
             pass
         self._reset("a failed rollback")
 
-    def _after_error_in_transaction(self) -> None:
+    def now(self) -> tuple[float, float]:
+        """The server's clock: one clock for every replica's leases and times.
+
+        The shift from this process's clock to the server's is measured from
+        this process's time before the question, so it is never less than the
+        true one: a request enqueued here before the batch is due in the
+        batch's claim, and a delay never ends early.
+        """
+        asked_at = time.time()
+        row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        assert row is not None
+        now = float(row[0])
+        return now, now - asked_at
+
+    def insert_rows(
+        self, queue: str, entries: Sequence[tuple[Any, ...]], now: float
+    ) -> Iterable[int]:
+        """One INSERT of many rows; their ids read back, since other sessions draw from the
+        same sequence."""
+        # Only placeholders are formatted into the statement.
+        marks = ",".join(["(%s, NULL, %s, %s, %s, %s)"] * len(entries))
+        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now)]
+        rows = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks} RETURNING id", params).fetchall()
+        # One statement allocates ids in the order of its rows.
+        return sorted(request_id for (request_id,) in rows)
+
+    def write_outcomes(
+        self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
+    ) -> list[str | None]:
+        """One UPDATE per kind: its values as arrays, one per column, joined by unnest()."""
+        by_kind: dict[str, list[tuple[Any, ...]]] = {}
+        for kind, request_id, values in outcomes:
+            by_kind.setdefault(kind, []).append((request_id, *values, now))
+        applied: dict[int, str] = {}
+        for kind, rows in by_kind.items():
+            arrays = [list(column) for column in zip(*rows, strict=True)]
+            applied.update(self.db.execute(_outcome_sql(kind), [*arrays, owner]).fetchall())
+        return [applied.get(request_id) for _, request_id, _ in outcomes]
+
+    def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
+        self.db.execute(_STARTED, (now, list(ids), owner))
+
+    def claim(
+        self, queue: str, owner: str, now: float, lease_until: float, limit: int
+    ) -> Callable[[], list[Claimed]]:
+        params = {
+            "owner": owner,
+            "lease_until": lease_until,
+            "now": now,
+            "queue": queue,
+            "limit": limit,
+        }
+        return self.db.execute(_CLAIM, params).fetchall
+
+    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int]]:
+        cursor = self.db.execute(_DUE_AND_LIVE, {"queue": queue})
+
+        def read() -> tuple[float | None, int]:
+            due, running = cursor.fetchone()  # type: ignore[misc]
+            return due, int(due is not None or bool(running))
+
+        return read
+
+    def finals(self, ids: Sequence[int]) -> list[Row]:
+        return [Row(*row) for row in self.db.execute(_FINALS, (list(ids),))]
+
+    def notify(self, queue: str) -> None:
+        """Other replicas wake and claim."""
+        if self.store.notify:
+            self.db.execute("SELECT pg_notify(%s, %s)", (self.store.channel, queue))
+
+    def after_error_in_transaction(self) -> None:
         """Take the pipeline out of its aborted state: the savepoint's rollback goes next.
 
         The transaction stays open (failed, until rolled back to a
@@ -669,6 +620,25 @@ class PostgresConnection(Connection):
                 if self.db.closed or self.db.broken:
                     raise
 
+    # -- connection handling
+
+    def _twice(self, call: Callable[..., Any], *args: Any) -> Any:
+        import psycopg
+
+        self._reconnect_if_broken()
+        try:
+            return call(self, *args)
+        except psycopg.OperationalError:
+            lost = self.db.closed or self.db.broken
+            self.rollback()
+            if not lost:
+                raise
+        except BaseException:
+            self.rollback()
+            raise
+        self._reconnect_if_broken()
+        return call(self, *args)
+
     def _reset(self, after: str) -> None:
         """Close the session an error left in doubt; the next call connects again."""
         db = self.db
@@ -678,44 +648,6 @@ class PostgresConnection(Connection):
             self._reset_after = after
         with contextlib.suppress(Exception):  # closed or not, it is not used again
             db.close()
-
-    def _notify_if(self, batch: Batch, queue: str) -> None:
-        # Once per batch, never per row: other replicas wake and claim.
-        if self.pg_store.notify and batch.inserts:
-            self.db.execute("SELECT pg_notify(%s, %s)", (self.pg_store.channel, queue))
-
-    # psycopg learns that the server ended a session only when a statement
-    # fails: these calls then connect again and try once more. (A batch
-    # needs no such care: the loop retries it, and _begin reconnects.)
-
-    # Any other error is rolled back (see _rollback), so that it cannot
-    # fail the calls and batches after it.
-
-    def lookup(self, queue: str, id_or_key: object) -> Any:
-        return self._twice(super().lookup, queue, id_or_key)
-
-    def cancel(self, queue: str, id_or_key: object) -> tuple[bool, int | None]:
-        return self._twice(super().cancel, queue, id_or_key)  # type: ignore[no-any-return]
-
-    def statistics(self, queue: str) -> dict[str, int]:
-        return self._twice(super().statistics, queue)  # type: ignore[no-any-return]
-
-    def _twice(self, call: Any, *args: Any) -> Any:
-        import psycopg
-
-        self._reconnect_if_broken()
-        try:
-            return call(*args)
-        except psycopg.OperationalError:
-            lost = self.db.closed or self.db.broken
-            self._rollback()
-            if not lost:
-                raise
-        except BaseException:
-            self._rollback()
-            raise
-        self._reconnect_if_broken()
-        return call(*args)
 
     # Why this connection closed its last session itself, until it connects again.
     _reset_after: str | None = None
@@ -727,15 +659,79 @@ class PostgresConnection(Connection):
                 logger.warning(
                     "%r: connected to PostgreSQL again, the last session having been closed"
                     " after %s",
-                    self.pg_store,
+                    self.store,
                     self._reset_after,
                 )
                 self._reset_after = None
             else:
                 logger.warning(
                     "%r: connected to PostgreSQL again, the last session having been lost",
-                    self.pg_store,
+                    self.store,
                 )
 
-    def close(self) -> None:
-        self.db.close()
+
+def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
+    """Create the schema and tickler's tables in it, or check the ones it holds."""
+    with db.transaction():
+        # One replica creates the schema; the others wait for it here.
+        db.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"tickler:{schema}",))
+        db.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        tables = {
+            row[0]
+            for row in db.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                (schema,),
+            )
+        }
+        if "tickler_schema" not in tables:
+            if tables:
+                raise StoreError(
+                    f"schema {schema!r} holds tables that are not tickler's;"
+                    " give tickler a schema of its own"
+                )
+            db.execute(f'SET LOCAL search_path TO "{schema}"')
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute("INSERT INTO tickler_schema VALUES (%s)", (SCHEMA_VERSION,))
+    db.execute(f'SET search_path TO "{schema}"')
+    row = db.execute("SELECT version FROM tickler_schema").fetchone()
+    if row is None or row[0] != SCHEMA_VERSION:
+        raise StoreError(
+            f"schema {schema!r} has tickler schema version {row and row[0]}; this tickler"
+            f" reads version {SCHEMA_VERSION}"
+        )
+
+
+_FAILURES = (
+    "SELECT id, attempts, error_type, error_message FROM tickler_requests"
+    " WHERE queue = %s AND state = 'failed' ORDER BY finished_at DESC LIMIT %s"
+)
+
+
+def inspect(dsn: str, schema: str, latest: int) -> dict[str, QueueReport]:
+    """Each queue of the schema: its counts and ``latest`` failures, in a read-only session.
+
+    Raises:
+        ValueError: the server cannot be reached (the message may quote the DSN,
+            password and all), or the schema is not a tickler store of this version.
+    """
+    import psycopg
+    import psycopg.sql
+
+    try:
+        db = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except (psycopg.Error, ValueError) as exc:
+        raise ValueError(f"cannot connect: {exc}".strip()) from None
+    try:
+        db.execute("SET default_transaction_read_only = on")
+        db.execute(psycopg.sql.SQL("SET search_path TO {}").format(psycopg.sql.Identifier(schema)))
+        try:
+            version = db.execute("SELECT version FROM tickler_schema").fetchone()
+        except psycopg.Error:
+            raise ValueError(f"schema {schema!r}: not a tickler store") from None
+        if version is None or version[0] != SCHEMA_VERSION:
+            raise ValueError(f"schema {schema!r}: tickler schema version unknown")
+        return report(lambda sql, params: db.execute(sql, params).fetchall(), _FAILURES, latest)
+    finally:
+        db.close()
