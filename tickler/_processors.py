@@ -1,4 +1,24 @@
-"""The processors: tasks that run handlers in the limiter's slots, and what they record."""
+"""The processors: tasks that run handlers in the limiter's slots, and what they record.
+
+A processor (``_process``) runs attempt after attempt while work waits and
+the cap allows, then parks. Its loop is the per-request path, hand-tuned for
+the burst rows; the rare branches are helpers: ``_fresh_context`` (the last
+handler set variables of its own), ``_not_started`` (a request taken but
+ended before it starts: a cancel, a stop, a crash), ``_scoped`` (a timeout,
+or a store that may take the attempt away), ``_attempt_failed`` and
+``_abort`` (failures and cancellations), and the store's ``record_*``.
+
+The context of an attempt: Trio runs every step of a task inside
+``task.context``, read afresh at each step. An attempt sets its enqueuer's
+variables there (the very objects) and the handler runs in it like any code
+of the task. The next attempt for the same enqueuer's context reuses them if
+they still hold the very same objects and nothing else; otherwise the
+processor resets them with the tokens it got, which also undoes the
+handler's writes to them. A handler that set a variable of its own leaves
+the context non-empty after that: the processor then takes a fresh empty
+context and yields once, so the next attempt starts clean. Every request,
+with or without contextvars, takes this one path.
+"""
 
 from __future__ import annotations
 
@@ -123,6 +143,64 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         with trio.CancelScope() as withdrawable:
             await self._process(start, withdrawable)
 
+    async def _scoped(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        awaitable: Any,
+        now: float,
+        withdrawable: trio.CancelScope,
+    ) -> Any:
+        """Await an attempt under its timeout, where the store's loop may also take it away.
+
+        With a store and no timeout, the loop takes the attempt away through
+        the processor's scope (Cancelled, in the caller); with a timeout,
+        through the attempt's own scope (a cancel, a lost lease, a stop):
+        then Withdrawn. A timeout is one more failure: TimeoutError.
+        """
+        stored = self._store_run
+        timeout = self._timeout
+        if timeout is None:
+            assert stored is not None
+            stored.scopes[ticket.id] = withdrawable
+            try:
+                return await awaitable
+            finally:
+                del stored.scopes[ticket.id]
+        scope = trio.CancelScope(deadline=now + timeout)
+        if stored is not None:
+            stored.scopes[ticket.id] = scope
+        result: Any = None
+        try:
+            with scope:
+                result = await awaitable
+        finally:
+            if stored is not None:
+                del stored.scopes[ticket.id]
+        if scope.cancelled_caught:
+            if stored is not None and ticket.id in stored.reasons:
+                raise Withdrawn(stored.reasons.pop(ticket.id))
+            raise TimeoutError(f"attempt timed out after {timeout:g} seconds")
+        return result
+
+    def _not_started(
+        self, ticket: Ticket[RequestT, ResultT], withdrawable: trio.CancelScope, now: float
+    ) -> None:
+        """A request a processor took ends before it starts; the processor then parks or ends."""
+        self._in_flight -= 1
+        if ticket in self._doomed:
+            # cancel() took it before it started.
+            self._doomed.discard(ticket)
+            self._finish_cancelled(ticket, now)
+        elif self._withdrawn_only(withdrawable):
+            # cancel() took this processor's last attempt away: the request
+            # taken next goes back, and the processor ends (its scope is cancelled).
+            self._put_back(ticket, now)
+        else:
+            # A stop without drain, a crash or a cancellation came between
+            # taking this request and starting it.
+            self._may_start = False
+            self._cancel(ticket, now)
+
     def _withdrawn_only(self, withdrawable: trio.CancelScope | None) -> bool:
         """Whether only cancel() cancelled this processor, not a stop or a crash (in memory)."""
         nursery = self._nursery
@@ -155,21 +233,11 @@ class _Processors(_QueueSide[RequestT, ResultT]):
     async def _process(self, start: list[Any], withdrawable: trio.CancelScope) -> None:
         """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
 
-        Keeping the slot saves a task spawn per request. With nothing left to
-        take, the processor gives its slot back and parks until the supervisor,
-        which owns every start into a free slot, hands it the next one.
-
-        The context of an attempt: Trio runs every step of a task inside
-        ``task.context``, read afresh at each step. An attempt sets its
-        enqueuer's variables there (the very objects) and the handler runs in
-        it like any code of the task. The next attempt for the same enqueuer's
-        context reuses them if they still hold the very same objects and
-        nothing else; otherwise the processor resets them with the tokens it
-        got, which also undoes the handler's writes to them. A handler that set
-        a variable of its own leaves the context non-empty after that: the
-        processor then takes a fresh empty context and yields once, so the next
-        attempt starts clean. Every request, with or without contextvars,
-        takes this one path.
+        Keeping the slot saves a task spawn per request (the burst rows). With
+        nothing left to take, the processor gives its slot back and parks until
+        the supervisor, which owns every start into a free slot, hands it the
+        next one. How an attempt gets its enqueuer's context: see the module's
+        docstring. The rare branches are the helpers named in it.
         """
         ticket: Ticket[RequestT, ResultT]
         slot: _Slot
@@ -225,20 +293,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             held = held_tokens = None  # type: ignore[assignment]
                         if held is None:
                             if context:
-                                # The last handler set variables of its own. They
-                                # must not reach this attempt, which starts in a
-                                # fresh context once this step has ended.
-                                if not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
-                                    # Trio does not let it be replaced: the
-                                    # request goes to a new task, and this ends.
-                                    self._in_flight -= 1
-                                    self._put_back(ticket, offset + timer())
+                                # The last handler set variables of its own.
+                                if not await self._fresh_context(task, ticket):
                                     break
-                                # Taken, not started, across a checkpoint:
-                                # cancel() finds it here meanwhile.
-                                self._handed[ticket.id] = ticket
-                                await trio.lowlevel.cancel_shielded_checkpoint()
-                                self._handed.pop(ticket.id, None)
                                 context = task.context
                                 now = offset + timer()
                             if captured:
@@ -249,22 +306,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             or cancel_status.effectively_cancelled
                             or (doomed and ticket in doomed)
                         ):
-                            self._in_flight -= 1
-                            if doomed and ticket in doomed:
-                                # cancel() took it before it started.
-                                doomed.discard(ticket)
-                                self._finish_cancelled(ticket, offset + timer())
-                                break
-                            if self._withdrawn_only(withdrawable):
-                                # cancel() took this processor's last attempt
-                                # away: the request taken next goes back, and
-                                # the processor ends (its scope is cancelled).
-                                self._put_back(ticket, offset + timer())
-                                break
-                            # A stop without drain, a crash or a cancellation came
-                            # between taking this request and starting it.
-                            self._may_start = False
-                            self._cancel(ticket, offset + timer())
+                            self._not_started(ticket, withdrawable, offset + timer())
                             break
                         ticket.status = _RUNNING
                         attempt.ticket = ticket
@@ -281,63 +323,25 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             self._wait_sum += waited
                         self._started += 1
                         if self._debug:
-                            _run_in(
-                                context,
-                                logger.debug,
-                                "processing request #%d (attempt %d)",
-                                ticket.id,
-                                ticket.attempts,
-                            )
+                            _run_in(context, logger.debug, "processing request #%d (attempt %d)",
+                                    ticket.id, ticket.attempts)  # fmt: skip
                         try:
                             awaitable = handler(ticket.request)
                             if type(awaitable) is not _Coroutine:
                                 awaitable = _steps_of(awaitable)
                             if timeout is None and stored is None:
                                 result = await awaitable
-                            elif timeout is None:
-                                # The loop may take the attempt away through
-                                # the processor's scope: Cancelled, below.
-                                assert stored is not None
-                                stored.scopes[ticket.id] = withdrawable
-                                try:
-                                    result = await awaitable
-                                finally:
-                                    del stored.scopes[ticket.id]
                             else:
-                                scope = trio.CancelScope(
-                                    deadline=now + timeout if timeout is not None else math.inf
-                                )
-                                if stored is not None:
-                                    # The loop may take the attempt away (a
-                                    # cancel, a lost lease, a stop).
-                                    stored.scopes[ticket.id] = scope
-                                try:
-                                    with scope:
-                                        result = await awaitable
-                                finally:
-                                    if stored is not None:
-                                        del stored.scopes[ticket.id]
-                                if scope.cancelled_caught:
-                                    if stored is not None and ticket.id in stored.reasons:
-                                        raise Withdrawn(stored.reasons.pop(ticket.id))  # noqa: TRY301
-                                    # Raised here so that a timeout is one more failure.
-                                    raise TimeoutError(  # noqa: TRY301
-                                        f"attempt timed out after {timeout:g} seconds"
-                                    )
+                                # A deadline, or a store that may take it away.
+                                result = await self._scoped(ticket, awaitable, now, withdrawable)
                         except Exception as exc:
-                            now = offset + timer()
-                            self._attempt_failed(ticket, exc, now, context)
+                            self._attempt_failed(ticket, exc, offset + timer(), context)
                             if withdrawable.cancel_called:
-                                # Taken away as it failed: the processor ends.
-                                await trio.lowlevel.checkpoint()
+                                await trio.lowlevel.checkpoint()  # taken away: this ends
                         except BaseException as exc:
                             # Cancelled, KeyboardInterrupt and the like: record the
-                            # request's final state and let the exception go on.
-                            cancelled = self._abort_mixed(ticket, exc, context)
-                            if cancelled is not None:
-                                raise cancelled from None
-                            self._abort(ticket, exc)
-                            raise
+                            # request's final state, and let the exception go on.
+                            raise self._aborted(ticket, exc, context)  # noqa: B904
                         else:
                             now = offset + timer()
                             self._in_flight -= 1
@@ -357,17 +361,12 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                                 ticket.status = _SUCCEEDED
                                 if type(state) is Waiting:
                                     self._wake(state)
-                            else:
-                                late = stored.record_success(ticket, result, context)
-                                if late and withdrawable.cancel_called:
-                                    # Taken away as it returned: the outcome is
-                                    # recorded (the store decides what holds);
-                                    # Cancelled from here ends the processor.
-                                    await trio.lowlevel.checkpoint()
+                            elif stored.record_success(ticket, result, context):
+                                # Taken away as it returned: the store decides what
+                                # holds, and Cancelled from here ends the processor.
+                                await trio.lowlevel.checkpoint()
                             result = None
-                        # The request is final: keep nothing of it while choosing the
-                        # next. (What it left in this task's context is looked at
-                        # when the next attempt starts, or before parking.)
+                        # Final: keep nothing of it while choosing the next.
                         state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
                         chained += 1
                         if chained == _CHAIN_BUDGET:
@@ -418,14 +417,7 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                     self._limiter.release_on_behalf_of(slot)
                     self._tickle()
                     if self._debug:
-                        # Not a line for any one request: no request's context.
-                        _run_in(
-                            _EMPTY_CONTEXT,
-                            logger.debug,
-                            "slot freed: now %d/%d slots in use",
-                            self._in_flight,
-                            self._capacity,
-                        )
+                        self._log_slot_freed()
                 if ended:
                     return
                 handed = await self._park()
@@ -438,6 +430,38 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                 chained = 0
         finally:
             del _ATTEMPTS[task]
+
+    async def _fresh_context(
+        self, task: trio.lowlevel.Task, ticket: Ticket[RequestT, ResultT]
+    ) -> bool:
+        """Give the task a fresh empty context before ``ticket`` starts; False: it cannot.
+
+        The last handler's own variables must not reach this attempt, which
+        starts in the fresh context once this step has ended. Where Trio does
+        not let the context be replaced, the request goes back to a new task,
+        and this processor ends.
+        """
+        if not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
+            self._in_flight -= 1
+            now = self._time()
+            assert now is not None
+            self._put_back(ticket, now)
+            return False
+        # Taken, not started, across a checkpoint: cancel() finds it here meanwhile.
+        self._handed[ticket.id] = ticket
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        self._handed.pop(ticket.id, None)
+        return True
+
+    def _log_slot_freed(self) -> None:
+        # Not a line for any one request: no request's context.
+        _run_in(
+            _EMPTY_CONTEXT,
+            logger.debug,
+            "slot freed: now %d/%d slots in use",
+            self._in_flight,
+            self._capacity,
+        )
 
     async def _park(self) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
         """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
@@ -617,6 +641,16 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         run = self._store_run
         assert run is not None
         return run
+
+    def _aborted(
+        self, ticket: Ticket[RequestT, ResultT], exc: BaseException, context: contextvars.Context
+    ) -> BaseException:
+        """Record how an attempt ended by Cancelled (or the like); return what to raise on."""
+        cancelled = self._abort_mixed(ticket, exc, context)
+        if cancelled is not None:
+            return cancelled
+        self._abort(ticket, exc)
+        return exc
 
     def _abort_mixed(
         self, ticket: Ticket[RequestT, ResultT], exc: BaseException, context: contextvars.Context

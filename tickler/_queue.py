@@ -54,27 +54,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
         key: Hashable | None = None,
         delay: float | None = None,
     ) -> Ticket[RequestT, ResultT]:
-        """Queue ``request`` for the handler and return its :class:`Ticket`.
-
-        Never blocks and costs O(1). Safe to call from the Trio thread, from
-        any other thread, and before :meth:`run` starts. The handler will run
-        with a copy of the caller's contextvars.
-
-        Args:
-            key: any hashable, or None. While a request enqueued with an
-                equal key is not final, enqueueing the key again creates
-                nothing and returns that request's ticket.
-            delay: seconds (>= 0) before the request may start, or None.
-                Until then it is SCHEDULED: it waits in the loop's timer,
-                holds no slot, and counts against ``max_queue_length``.
-
-        Raises:
-            QueueFull: ``max_queue_length`` requests are already queued or
-                scheduled.
-            ServiceClosed: a stop has begun or the run has ended.
-            TypeError, ValueError: ``key`` is not hashable, or ``delay`` is
-                not a finite number >= 0.
-        """
+        # (The docstring is _ENQUEUE_REQUEST_DOC, below the class.)
         if key is not None or delay is not None or _keyword_only is not _KEYWORD_ONLY:
             if _keyword_only is not _KEYWORD_ONLY:
                 raise TypeError(
@@ -431,6 +411,28 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
                 )
 
 
+_ENQUEUE_REQUEST_DOC = """Queue ``request`` for the handler and return its :class:`Ticket`.
+
+Never blocks and costs O(1). Safe to call from the Trio thread, from
+any other thread, and before :meth:`run` starts. The handler will run
+with a copy of the caller's contextvars.
+
+Args:
+    key: any hashable, or None. While a request enqueued with an
+        equal key is not final, enqueueing the key again creates
+        nothing and returns that request's ticket.
+    delay: seconds (>= 0) before the request may start, or None.
+        Until then it is SCHEDULED: it waits in the loop's timer,
+        holds no slot, and counts against ``max_queue_length``.
+
+Raises:
+    QueueFull: ``max_queue_length`` requests are already queued or
+        scheduled.
+    ServiceClosed: a stop has begun or the run has ended.
+    TypeError, ValueError: ``key`` is not hashable, or ``delay`` is
+        not a finite number >= 0.
+"""
+_QueueSide.enqueue_request.__doc__ = _ENQUEUE_REQUEST_DOC
 _QueueSide.enqueue_request.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),

@@ -164,13 +164,12 @@ class Service(_Loop[RequestT, ResultT]):
         self._on_error = on_error if on_error is not None else default_on_error
         self.name = name
         self.max_queue_length = max_queue_length
-        # The queue length at which enqueue_request refuses: the cap less the
-        # delayed requests while the service is open, 0 once it is closed, so
-        # one comparison on the hot path covers every refusal.
-        # (With a store, every enqueue takes the store's path: see _queue.)
+        # tuned (bench: enqueue): the queue length at which enqueue_request
+        # refuses: the cap less the delayed requests while the service is
+        # open, 0 once closed or with a store (whose path every enqueue takes),
+        # so one comparison on the hot path covers every refusal.
         self._admit = max_queue_length if max_queue_length is not None else _UNBOUNDED
-        if self._store_run is not None:
-            self._admit = 0
+        self._admit = 0 if self._store_run is not None else self._admit
         self._closed = False
 
         # The queue. A threading.Lock, not a Trio lock: enqueue_request is
@@ -201,6 +200,11 @@ class Service(_Loop[RequestT, ResultT]):
         self._handed: dict[int, Ticket[RequestT, ResultT]] = {}
         self._doomed: set[Ticket[RequestT, ResultT]] = set()
 
+        self._init_counters(histograms)
+        self._init_stopping_and_run()
+
+    def _init_counters(self, histograms: bool) -> None:
+        """The counters statistics() reads, and the wait and run time histograms."""
         self._last_id = 0  # also the `enqueued` counter
         self._started = 0
         self._succeeded = 0
@@ -219,6 +223,8 @@ class Service(_Loop[RequestT, ResultT]):
         self._run_counts = [0] * (len(TIME_BUCKETS) + 1)
         self._run_sum = 0.0
 
+    def _init_stopping_and_run(self) -> None:
+        """What stopping and joining keep, and what the run sets when it starts."""
         self.stopping = trio.Event()
         self._finished = trio.Event()
         self._stop_called = False

@@ -316,11 +316,23 @@ class StoreSync:
         pending: list[Pending],
         outcomes: list[Outcome],
     ) -> None:
-        """A batch committed: give ids, finish tickets, take what was claimed."""
-        engine = self.engine
-        now = engine._time()
+        """A batch committed: give ids, finish tickets, follow what ended elsewhere, take claims."""
+        now = self.engine._time()
         assert now is not None
-        to_trio = now - wall_clock()
+        self._give_ids(result, pending, now)
+        self._apply_outcomes(outcomes, result.applied, now)
+        if result.mine is not None:
+            self._check_leases(result.mine)
+        self._follow_elsewhere(result.recent)
+        self._take_claimed(result, now)
+        self._settle_finals(result, now)
+        self.next_due = result.next_due
+        self.shift = result.shift
+        self.live = result.live
+
+    def _give_ids(self, result: BatchResult, pending: list[Pending], now: float) -> None:
+        """Requests committed: their tickets get ids; a live key's duplicate follows it."""
+        engine = self.engine
         refused = result.refused
         if refused:
             pending = self._refused(pending, refused, now)
@@ -344,7 +356,13 @@ class StoreSync:
             self.committed = trio.Event()
             if engine._submitters:
                 engine._room.unpark_all()
-        for (kind, ticket, _, local), state in zip(outcomes, result.applied, strict=True):
+
+    def _apply_outcomes(
+        self, outcomes: list[Outcome], applied: list[str | None], now: float
+    ) -> None:
+        """Outcomes written: each ticket gets the state the store wrote (it decides)."""
+        engine = self.engine
+        for (kind, ticket, _, local), state in zip(outcomes, applied, strict=True):
             request_id = ticket.id
             self.local.discard(request_id)
             if state is None:
@@ -379,16 +397,23 @@ class StoreSync:
             # Tickets of this process that follow the same request (a live key).
             for follower in self.watched.pop(request_id, ()):
                 engine._finish(follower, ticket.status, ticket._state)
-        if result.mine is not None:
-            self._check_leases(result.mine)
-        for request_id in result.recent:
-            # Final in the store, and not by this process's hand: a cancel, or
-            # another process ran it. Fetch its outcome at the next look.
+
+    def _follow_elsewhere(self, recent: list[int]) -> None:
+        """Final in the store, and not by this process's hand: fetch the outcome at the next look.
+
+        A cancel, or another process ran it.
+        """
+        for request_id in recent:
             elsewhere = self.tickets.get(request_id)
             if elsewhere is not None and request_id not in self.local and not elsewhere.done:
                 del self.tickets[request_id]
                 self.watched.setdefault(request_id, []).append(elsewhere)
                 self.next_check = -math.inf
+
+    def _take_claimed(self, result: BatchResult, now: float) -> None:
+        """Claimed rows become tickets in the engine's queue (unless a stop began meanwhile)."""
+        engine = self.engine
+        to_trio = now - wall_clock()
         taken: list[Ticket[Any, Any]] = []
         for request_id, data, attempts, _, enqueued, _ in result.claimed:
             self.local.add(request_id)
@@ -420,6 +445,10 @@ class StoreSync:
             with engine._lock:
                 engine._queue.extend(taken)
                 engine._peak = max(engine._peak, len(engine._queue))
+
+    def _settle_finals(self, result: BatchResult, now: float) -> None:
+        """Tickets waiting on requests that ended elsewhere (or whose rows are gone) end."""
+        engine = self.engine
         for row in result.finals:
             for ticket in self.take_waiters(row.id):
                 engine._finish(ticket, *self._decoded(row))
@@ -432,10 +461,6 @@ class StoreSync:
             )
             for ticket in self.take_waiters(request_id):
                 engine._finish(ticket, _FAILED, (now, lost, None, None))
-
-        self.next_due = result.next_due
-        self.shift = result.shift
-        self.live = result.live
 
     def _refused(
         self, pending: list[Pending], refused: dict[int, str], now: float
