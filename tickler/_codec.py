@@ -15,8 +15,8 @@ class Codec(Protocol):
     def decode(self, data: bytes) -> Any: ...
 
 
-# One encoder and decoder for every call: json.dumps with options builds a new
-# encoder each time, which costs more than encoding a small request.
+# tuned (bench: SqliteStore burst, pg drain): one encoder and decoder for every call: json.dumps
+# with options builds a new encoder each time, which costs more than encoding a small request.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _ENCODE = _ENCODER.encode
 _DECODE = json.JSONDecoder().decode

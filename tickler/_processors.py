@@ -253,9 +253,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         lock = self._lock
         task = trio.lowlevel.current_task()
         stored = self._store_run  # None for the in-memory engine
-        # The histograms' counts, and for each the bucket of the last duration
-        # counted with its edges: durations come in runs that share a bucket,
-        # and two comparisons cost less than a search.
+        # tuned (bench: burst, histograms=True): the histograms' counts, and for each the bucket of
+        # the last duration counted with its edges: durations come in runs that share a bucket, and
+        # two comparisons cost less than a search.
         timed = self._histograms
         wait_counts = self._wait_counts
         run_counts = self._run_counts
@@ -264,7 +264,8 @@ class _Processors(_QueueSide[RequestT, ResultT]):
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
         attempt = _ATTEMPTS[task] = _Attempt(self, withdrawable)
-        # Whether this task is cancelled, read once per start: see _lowlevel.
+        # tuned (bench: burst): whether this task is cancelled, one attribute per start: see
+        # _lowlevel.
         cancel_status = _lowlevel.cancel_status(task)
         # Requests cancel() took after a processor was handed them, before
         # they started (an alias: the set itself is the service's).
@@ -388,8 +389,9 @@ class _Processors(_QueueSide[RequestT, ResultT]):
                             ticket = following
                             following = None
                         elif queue:
-                            # The common case of _take, inlined: calling _take (and
-                            # _finish above) here cost about 2% of burst throughput.
+                            # tuned (bench: burst): the common case of _take, inlined (twin:
+                            # _take); calling _take (and _finish above) here cost about 2% of burst
+                            # throughput.
                             lock.acquire()
                             try:
                                 length = len(queue)

@@ -41,7 +41,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
     # A KeyboardInterrupt never lands halfway through the bookkeeping of the
     # methods marked so (Trio delivers it at the next unprotected point).
     #
-    # key and delay are keyword-only, but the code does not declare them so:
+    # tuned (bench: enqueue): key and delay are keyword-only, but the code does not declare them so:
     # CPython 3.11 does not specialize calls to functions with keyword-only
     # parameters, which costs about 5% of an enqueue. A guard parameter
     # refuses them by position instead; type checkers see the declared
@@ -64,6 +64,9 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             return self._enqueue_keyed(request, key, delay)
         # (Everything below is the hot path. _enqueue_keyed is its twin for
         # keys and delays; _capture_context, the part on contextvars.)
+        # tuned (bench: burst, a contextvar set; enqueue): the context is
+        # shared with the last request's when it holds the very same objects;
+        # twin: _capture_context.
         context = _copy_context()
         if not context:
             # One shared empty Context serves every request enqueued without
@@ -90,7 +93,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
             else:
                 self._last_context = (context, tuple(context.items()), len(context))
         timer = self._timer
-        # The ticket is built field by field, outside the lock: Ticket's own
+        # tuned (bench: enqueue): the ticket is built field by field, outside the lock: Ticket's own
         # __init__ (its twin) costs about 40 ns more per call. Its id is given
         # under the lock.
         ticket = _new_ticket(Ticket)
@@ -101,7 +104,7 @@ class _QueueSide(_ServiceCore[RequestT, ResultT]):
         ticket.started_at = None
         ticket._state = context
         lock = self._lock
-        # acquire/release rather than `with`: the context-manager protocol
+        # tuned (bench: enqueue): acquire/release rather than `with`: the context-manager protocol
         # costs about as much again as the lock itself on this path.
         lock.acquire()
         try:
