@@ -1,4 +1,4 @@
-"""What the store tests check for SQLite and PostgreSQL alike.
+"""Worker processes on a store, and the checks of what they logged, whatever the store.
 
 Worker processes (tests/store_worker.py) write a line per attempt start and
 end to a shared log; the checks of killed runs read it, with the states the
@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import collections
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import trio
+ROOT = Path(__file__).parent.parent
 
-import tickler
+
+def worker(db: Sequence[str], log: Path, *options: str) -> subprocess.Popen[bytes]:
+    """A worker process (tests/store_worker.py) on the store ``db`` names, logging to ``log``."""
+    return subprocess.Popen(  # noqa: S603 - our own interpreter and module
+        [sys.executable, "-m", "tests.store_worker", db[0], str(log), *db[1:], *options],
+        cwd=ROOT,
+    )
 
 
 def log_lines(log: Path) -> list[list[str]]:
@@ -113,39 +120,6 @@ def check_chaos_run(
     for request, ids in keyed.items():
         assert ids == {rows_by_key[f'"{request}"']}, (request, ids)
     return repeats
-
-
-async def check_own_lapsed_lease_is_not_claimed_again(
-    store: Any, expire: Callable[[int], None]
-) -> None:
-    """A lease that lapsed while its process could not write (a stall, a server away).
-
-    That process's next batch must renew it, not claim the request again and
-    run it twice at once; only another process may take it over. ``expire``
-    sets the request's lease in the past, in the store.
-    """
-    starts: list[int] = []
-    release = trio.Event()
-
-    async def handler(request: int) -> int:
-        starts.append(request)
-        if request == 1:
-            await release.wait()
-        return request
-
-    async with tickler.open_service(handler, store=store, name="jobs") as service:
-        held = await service.submit(1)
-        with trio.fail_after(5):
-            while starts != [1]:
-                await trio.sleep(0.01)
-        assert held.id is not None
-        expire(held.id)
-        with trio.fail_after(5):  # a batch that claims, before the next look
-            assert await (await service.submit(2)).wait() == 2
-        release.set()
-        with trio.fail_after(5):
-            assert await held.wait() == 1
-    assert starts == [1, 2]
 
 
 def driver_of(session: Any) -> Any:

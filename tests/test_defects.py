@@ -707,13 +707,14 @@ async def test_cancel_in_memory_of_a_request_taken_but_not_started(
 async def test_a_row_the_store_always_refuses_fails_alone(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from .test_store_defects import Backend
+    from .store_backends import Backend, PostgresBackend, SqliteBackend
 
     store = make_store(kind, request, tmp_path)
+    backend: Backend
     if kind == "sqlite":
-        backend = Backend("sqlite", str(store.path))
+        backend = SqliteBackend(store.path)
     else:
-        backend = Backend("postgres", store.dsn, store.schema)
+        backend = PostgresBackend(store.dsn, store.schema)
     await trio.to_thread.run_sync(store.create_schema)
     backend.add_fault(condition="NEW.key = '\"poison\"'")
     async with tickler.open_service(echo, store=store, name="jobs") as service:

@@ -25,8 +25,7 @@ import psycopg.sql
 import tickler
 
 from .conftest import Cluster
-from .store_runs import check_chaos_run, log_lines, owner_of
-from .test_postgres_processes import worker
+from .store_runs import check_chaos_run, log_lines, owner_of, worker
 
 REQUESTS = 20_000
 KEYS = 100
@@ -138,7 +137,7 @@ def test_three_replicas_survive_kills_and_a_server_restart(
         *("--capacity", "30", "--sleep", "0.06", "--lease", str(LEASE)),
         *("--poll-interval", str(POLL_INTERVAL), "--keys", str(KEYS), "--keys-due", str(keys_due)),
     )
-    slots = [worker(dsn, schema, log, *options) for _ in range(3)]
+    slots = [worker([dsn, "--schema", schema], log, *options) for _ in range(3)]
     for process in slots:
         wait_until_running(log, process)
     watch = LeaseWatch(dsn, schema)
@@ -158,7 +157,7 @@ def test_three_replicas_survive_kills_and_a_server_restart(
             victim.wait()
             killed_at[victim.pid] = time.monotonic()
             held_at_kill[victim.pid] = held_by(dsn, schema, owner)
-            slots[slot] = worker(dsn, schema, log, *options)
+            slots[slot] = worker([dsn, "--schema", schema], log, *options)
             if kill == KILLS // 2:
                 # Restart the server between two kills, once the new worker runs.
                 wait_until_running(log, slots[slot])

@@ -13,7 +13,7 @@ import trio.testing
 
 import tickler
 
-from .store_runs import check_own_lapsed_lease_is_not_claimed_again, driver_of
+from .store_runs import driver_of
 
 FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
 
@@ -53,32 +53,6 @@ async def test_cancelling_a_waiting_request_finishes_its_ticket(tmp_path: Path) 
         with trio.fail_after(5), pytest.raises(tickler.RequestCancelled):
             await ticket.wait()
         assert ticket.status is tickler.Status.CANCELLED
-
-
-async def test_a_ticket_follows_its_request_run_by_another_service(tmp_path: Path) -> None:
-    """Regression: another process (here, another service) ran it; the ticket never ended."""
-    gate = trio.Event()
-
-    async def blocked(request: str) -> str:
-        await gate.wait()
-        return request
-
-    async def shout(request: str) -> str:
-        return request.upper()
-
-    store = store_at(tmp_path)
-    async with tickler.open_service(blocked, store=store, name="jobs", capacity=1) as a:
-        await a.submit("blocker")  # a's only slot is taken: it claims nothing more
-        with trio.fail_after(5):
-            while a.statistics().in_flight < 1:
-                await trio.sleep(0.01)
-        ticket = await a.submit("hello")
-        # Another store object on the file: another replica, as another process is.
-        async with tickler.open_service(shout, store=store_at(tmp_path), name="jobs") as b:
-            with trio.fail_after(5):
-                assert await ticket.wait() == "HELLO"
-            assert b.statistics().succeeded == 1
-        gate.set()
 
 
 async def test_an_error_message_the_store_cannot_encode_still_fails_the_request(
@@ -156,29 +130,6 @@ async def test_stop_without_drain_from_a_handler_spares_the_caller(tmp_path: Pat
     assert rows(store.path) == [(1, "succeeded", None)]
 
 
-async def test_a_cancel_asked_for_is_not_undone_by_a_stop(tmp_path: Path) -> None:
-    """Regression: a stop handed the request back, and it ran again at the next start."""
-
-    async def forever(request: int) -> None:
-        await trio.sleep_forever()
-
-    store = store_at(tmp_path, poll_interval=60)  # the owner does not look again soon
-    async with trio.open_nursery() as nursery:
-        service = tickler.Service(forever, store=store, name="jobs")
-        await nursery.start(service.run)
-        ticket = await service.submit(1)
-        with trio.fail_after(5):
-            while service.statistics().in_flight < 1:
-                await trio.sleep(0.01)
-        # Another process asks for the cancel, through its own connection.
-        other = await trio.to_thread.run_sync(store.connect)
-        assert await trio.to_thread.run_sync(other.cancel, "jobs", ticket.id) == (True, 1)
-        other.close()
-        await service.stop(drain=False)
-    assert rows(store.path) == [(1, "cancelled", None)]
-    assert ticket.status is tickler.Status.CANCELLED
-
-
 async def test_join_looks_at_the_store_afresh(tmp_path: Path) -> None:
     """Regression: join trusted the last look, and returned with a row just committed."""
     store = store_at(tmp_path, poll_interval=30)
@@ -191,25 +142,6 @@ async def test_join_looks_at_the_store_afresh(tmp_path: Path) -> None:
         with trio.fail_after(5):
             await service.join()
         assert (await service.store_statistics())["succeeded"] == 2
-
-
-async def test_ids_out_of_range_are_not_found(tmp_path: Path) -> None:
-    async with tickler.open_service(echo, store=store_at(tmp_path), name="jobs") as service:
-        assert await service.lookup(2**70) is None
-        assert not await service.cancel(2**70)
-        assert await service.lookup(-1) is None
-
-
-async def test_a_zero_retention_does_not_strand_a_ticket(tmp_path: Path) -> None:
-    """Regression: the row was pruned in the same look that reported it final; wait hung."""
-    store = store_at(tmp_path, retention=0)
-    async with tickler.open_service(echo, store=store, name="jobs") as service:
-        ticket = await service.submit(1, delay=60)
-        assert await service.cancel(ticket.id)
-        with trio.fail_after(5), pytest.raises(tickler.RequestCancelled):
-            await ticket.wait()
-        with trio.fail_after(5):
-            await service.join()
 
 
 async def test_a_result_this_process_cannot_decode_fails_only_its_ticket(
@@ -345,112 +277,6 @@ async def test_the_store_shares_the_applications_file(tmp_path: Path) -> None:
             ("jobs", "site-1"),
         ).fetchall()
     assert "INDEX tickler_keys" in str(plan)
-
-
-async def test_a_cancelled_request_whose_owner_died_ends_cancelled_unrun(tmp_path: Path) -> None:
-    """Its cancel was accepted while it ran; its process died: nobody runs it again."""
-    path = tmp_path / "queue.db"
-    store = tickler.SqliteStore(path, **FAST)
-    store.connect().close()
-    with sqlite3.connect(path) as db:
-        store.enqueue_in(db, "jobs", "step", key="site-1:fs")
-        store.enqueue_in(db, "jobs", "other")
-    with sqlite3.connect(path) as db:
-        db.execute(
-            "UPDATE tickler_requests SET state = 'running', owner = 'dead', attempts = 1,"
-            " lease_until = ?, cancel_requested = ? WHERE id = 1",
-            (time.time() - 1, True),
-        )
-    ran: list[str] = []
-
-    async def handler(request: str) -> None:
-        ran.append(request)
-
-    async with tickler.open_service(handler, store=store, name="jobs") as service:
-        await service.join()
-        ticket = await service.lookup("site-1:fs")
-    assert ticket is not None
-    assert (ticket.status, ticket.attempts) == (tickler.Status.CANCELLED, 1)
-    assert ran == ["other"]
-
-
-async def test_a_process_does_not_claim_again_its_own_request_whose_lease_lapsed(
-    tmp_path: Path,
-) -> None:
-    """A lease that lapsed while the process could not write (a stall): the same
-    process claimed it again and ran it twice at once."""
-    store = tickler.SqliteStore(tmp_path / "q.db", poll_interval=30.0, lease=30.0)
-
-    def expire(request_id: int) -> None:
-        with sqlite3.connect(store.path) as db:
-            db.execute(
-                "UPDATE tickler_requests SET lease_until = ? WHERE id = ?",
-                (time.time() - 1, request_id),
-            )
-
-    await check_own_lapsed_lease_is_not_claimed_again(store, expire)
-
-
-@pytest.mark.parametrize("outcome", ["returns", "raises"])
-async def test_a_request_cancelled_elsewhere_ends_cancelled_though_its_handler_ended_first(
-    tmp_path: Path, outcome: str
-) -> None:
-    """cancel() returned True: the request ends CANCELLED, whatever its handler did next."""
-    path = tmp_path / "queue.db"
-    release = trio.Event()
-    entered = trio.Event()
-
-    async def handler(request: str) -> str:
-        entered.set()
-        await release.wait()
-        if outcome == "raises":
-            raise ValueError("late")
-        return "done"
-
-    # Two processes of one queue on one file; the owner looks at the store every 5 s.
-    owner_store = tickler.SqliteStore(path, poll_interval=5.0)
-    other_store = tickler.SqliteStore(path, poll_interval=5.0)
-    async with (
-        tickler.open_service(handler, store=owner_store, name="jobs") as owner,
-        tickler.open_service(shout, store=other_store, name="jobs", capacity=1) as other,
-    ):
-        ticket = await owner.submit("step", key="site-1:fs")
-        await entered.wait()
-        assert await other.cancel("site-1:fs")
-        release.set()  # the handler ends before its process looks at the store
-        await owner.join()
-        final = await other.lookup("site-1:fs")
-    assert final is not None
-    assert ticket.status is tickler.Status.CANCELLED
-    assert final.status is tickler.Status.CANCELLED
-    assert owner.statistics().cancelled == 1
-
-
-async def test_a_rescued_request_goes_before_the_backlog_queued_after_it(tmp_path: Path) -> None:
-    """Rows whose lease expired are claimed in the order they fell due, not of their expiry."""
-    path = tmp_path / "queue.db"
-    store = tickler.SqliteStore(path, **FAST)
-    store.connect().close()
-    with sqlite3.connect(path) as db:
-        store.enqueue_in(db, "jobs", "rescued")
-    with sqlite3.connect(path) as db:
-        for i in range(3):
-            store.enqueue_in(db, "jobs", f"later {i}")
-    with sqlite3.connect(path) as db:
-        # Its process died; its lease expired after the others were enqueued.
-        db.execute(
-            "UPDATE tickler_requests SET state = 'running', owner = 'dead', attempts = 1,"
-            " lease_until = ? WHERE id = 1",
-            (time.time() - 0.001,),
-        )
-    order: list[str] = []
-
-    async def handler(request: str) -> None:
-        order.append(request)
-
-    async with tickler.open_service(handler, store=store, name="jobs", capacity=1) as service:
-        await service.join()
-    assert order == ["rescued", "later 0", "later 1", "later 2"]
 
 
 async def test_requests_the_final_flush_cannot_commit_fail_and_say_why(

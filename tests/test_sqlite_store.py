@@ -1,4 +1,7 @@
-"""SqliteStore against real SQLite files: the queue's contract with a store beneath it."""
+"""SqliteStore specifics on real SQLite files: its file, its faults, its schema's versions.
+
+What every store must do is in tests/test_store_contract.py.
+"""
 
 from __future__ import annotations
 
@@ -33,18 +36,6 @@ def rows(path: Path, sql: str = "SELECT id, state, attempts FROM tickler_request
 async def double(request: int) -> int:
     await trio.sleep(0.001)
     return request * 2
-
-
-async def test_requests_run_from_the_store_and_their_rows_end_final(tmp_path: Path) -> None:
-    store = store_at(tmp_path)
-    async with tickler.open_service(double, store=store, name="jobs", capacity=4) as service:
-        tickets = [service.enqueue_request(i) for i in range(30)]
-        assert all(t.id == 0 for t in tickets)  # not committed yet
-        assert [await t.wait() for t in tickets] == [i * 2 for i in range(30)]
-        assert sorted(t.id for t in tickets) == list(range(1, 31))
-    assert rows(store.path) == [(i, "succeeded", 1) for i in range(1, 31)]
-    stats = service.statistics()
-    assert (stats.enqueued, stats.succeeded, stats.failed) == (30, 30, 0)
 
 
 async def test_submit_returns_once_the_row_is_committed(tmp_path: Path) -> None:
@@ -84,74 +75,6 @@ async def test_retries_live_in_the_row_and_count_attempts(tmp_path: Path) -> Non
     assert service.statistics().retried == 2
 
 
-async def test_a_final_failure_keeps_its_error_in_the_row(tmp_path: Path) -> None:
-    async def fail(request: int) -> None:
-        raise ValueError(f"bad {request}")
-
-    store = store_at(tmp_path)
-    errors: list[Exception] = []
-    async with tickler.open_service(
-        fail, store=store, name="jobs", on_error=lambda t, e: errors.append(e)
-    ) as service:
-        ticket = service.enqueue_request(5)
-        with pytest.raises(ValueError, match="bad 5"):
-            await ticket.wait()
-        found = await service.lookup(ticket.id)
-    assert found is not None
-    assert found.status is tickler.Status.FAILED
-    with pytest.raises(tickler.RequestFailed, match="ValueError: bad 5") as info:
-        found.result()
-    assert "Traceback" in info.value.error_traceback
-    assert len(errors) == 1
-
-
-async def test_keys_and_delays_live_in_the_store(tmp_path: Path) -> None:
-    store = store_at(tmp_path)
-    async with tickler.open_service(double, store=store, name="jobs") as service:
-        first = await service.submit(1, key="k", delay=0.3)
-        again = await service.submit(2, key="k")
-        assert again.id == first.id
-        assert service.statistics().deduplicated == 1
-        counts = await service.store_statistics()
-        assert counts["scheduled"] == 1
-        started = trio.current_time()
-        await service.join()
-        assert await first.wait() == 2
-        assert await again.wait() == 2
-        assert first.started_at is not None
-        assert first.started_at - started >= 0.2
-        # Final: the key is free again.
-        third = await service.submit(3, key="k")
-        assert third.id != first.id
-        assert await third.wait() == 6
-
-
-async def test_cancel_a_queued_and_a_running_request(tmp_path: Path) -> None:
-    started = trio.Event()
-
-    async def slow(request: int) -> int:
-        if request == 1:
-            started.set()
-            await trio.sleep_forever()
-        return request
-
-    store = store_at(tmp_path)
-    async with tickler.open_service(slow, store=store, name="jobs", capacity=1) as service:
-        running = await service.submit(1)
-        waiting = await service.submit(2, key="two")
-        await started.wait()
-        assert await service.cancel("two")
-        assert await service.cancel(running.id)
-        with pytest.raises(tickler.RequestCancelled):
-            await running.wait()
-        assert not await service.cancel(running.id)  # no longer live
-        counts = await service.store_statistics()
-        assert counts["cancelled"] == 2
-        assert not await service.cancel(12345)
-    assert rows(store.path) == [(1, "cancelled", 1), (2, "cancelled", 0)]
-    assert waiting.status is not tickler.Status.SUCCEEDED
-
-
 async def test_a_stop_hands_back_what_it_claimed_and_commits_what_it_accepted(
     tmp_path: Path,
 ) -> None:
@@ -178,23 +101,6 @@ async def test_a_stop_hands_back_what_it_claimed_and_commits_what_it_accepted(
     assert states == [("queued", None, 1)] * 2 + [("queued", None, 0)] * 4
 
 
-async def test_work_survives_the_service_and_runs_in_the_next(tmp_path: Path) -> None:
-    store = store_at(tmp_path)
-
-    async def forever(request: int) -> None:
-        await trio.sleep_forever()
-
-    async with trio.open_nursery() as nursery:
-        first = tickler.Service(forever, store=store, name="jobs", capacity=1)
-        await nursery.start(first.run)
-        for i in range(3):
-            await first.submit(i)
-        await first.stop(drain=False)
-    async with tickler.open_service(double, store=store, name="jobs") as second:
-        await second.join()
-    assert [state for _, state, _ in rows(store.path)] == ["succeeded"] * 3
-
-
 async def test_one_file_holds_many_queues(tmp_path: Path) -> None:
     async def negate(request: int) -> int:
         return -request
@@ -208,30 +114,6 @@ async def test_one_file_holds_many_queues(tmp_path: Path) -> None:
         b = await negater.submit(3)
         assert (await a.wait(), await b.wait()) == (6, -3)
         assert (await doubler.store_statistics())["succeeded"] == 1
-
-
-async def test_enqueue_in_is_part_of_the_callers_transaction(tmp_path: Path) -> None:
-    store = store_at(tmp_path)
-    async with tickler.open_service(double, store=store, name="jobs") as service:
-        connection = sqlite3.connect(store.path, isolation_level=None)
-        try:
-            connection.execute("BEGIN")
-            store.enqueue_in(connection, "jobs", 1)
-            connection.execute("ROLLBACK")
-            connection.execute("BEGIN")
-            request_id = store.enqueue_in(connection, "jobs", 21, key="k")
-            assert store.enqueue_in(connection, "jobs", 22, key="k") == request_id
-            connection.execute("COMMIT")
-        finally:
-            connection.close()
-        with trio.fail_after(10):
-            while (await service.store_statistics())["succeeded"] < 1:
-                await trio.sleep(0.02)
-        found = await service.lookup(request_id)
-        assert found is not None
-        assert found.result() == 42
-    # The rolled-back request left nothing, not even its id.
-    assert rows(store.path) == [(request_id, "succeeded", 1)]
 
 
 async def test_the_codec_refuses_at_the_enqueue_and_fails_the_attempt(tmp_path: Path) -> None:
@@ -330,48 +212,6 @@ async def test_store_keys_must_be_storable(tmp_path: Path) -> None:
     assert service.statistics().enqueued == 1
 
 
-async def test_a_lease_is_renewed_while_the_handler_runs(tmp_path: Path) -> None:
-    """Two services on one queue: a handler running 5 leases long is never taken over."""
-    starts: list[str] = []
-
-    def handler_for(name: str) -> Any:
-        async def handler(request: str) -> str:
-            starts.append(name)
-            await trio.sleep(1.0)
-            return request
-
-        return handler
-
-    store = store_at(tmp_path, lease=0.2)
-    async with (
-        tickler.open_service(handler_for("a"), store=store, name="jobs") as a,
-        # Another store object on the file: another replica, as another process is.
-        tickler.open_service(
-            handler_for("b"), store=store_at(tmp_path, lease=0.2), name="jobs"
-        ) as b,
-    ):
-        ticket = await a.submit("long")
-        assert await ticket.wait() == "long"
-        await b.join()
-    assert len(starts) == 1
-    assert rows(store.path) == [(1, "succeeded", 1)]
-
-
-async def test_final_rows_are_deleted_after_the_retention(tmp_path: Path) -> None:
-    store = store_at(tmp_path, retention=0.2)
-    async with tickler.open_service(double, store=store, name="jobs") as service:
-        for i in range(5):
-            await (await service.submit(i)).wait()
-        assert len(rows(store.path)) == 5
-        with trio.fail_after(10):
-            while rows(store.path):
-                await trio.sleep(0.05)
-        live = await service.submit(9, delay=5)
-        await trio.sleep(0.5)
-        assert [r[0] for r in rows(store.path)] == [live.id]  # live rows are kept
-        assert await service.cancel(live.id)
-
-
 async def test_a_full_disk_delays_the_commit_and_loses_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -443,21 +283,6 @@ async def test_inspect_refuses_a_missing_or_foreign_file(tmp_path: Path, kind: s
     assert done.returncode == 2
     assert done.stderr.decode().startswith("python -m tickler: ")
     assert not path.exists() or kind != "missing"
-
-
-async def test_the_readmes_insert_for_other_drivers(tmp_path: Path) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    insert = readme.split("```sql\n")[1].split("```")[0]
-    store = store_at(tmp_path)
-    async with tickler.open_service(double, store=store, name="jobs") as service:
-        connection = sqlite3.connect(store.path)
-        with connection:
-            connection.execute(insert, {"queue": "jobs", "request": b"21"})
-        connection.close()
-        with trio.fail_after(10):
-            while (found := await service.lookup(1)) is None or not found.done:
-                await trio.sleep(0.02)
-        assert found.result() == 42
 
 
 async def test_a_renewal_that_finds_the_lease_gone_cancels_the_attempt(tmp_path: Path) -> None:
@@ -808,6 +633,25 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_requests(tmp_path: Pat
     connection.close()
     with pytest.raises(tickler.StoreError, match="version 3"):
         await tickler.Service(double, store=tickler.SqliteStore(path), name="jobs").run()
+
+
+async def test_create_schema_upgrades_an_older_sqlite_file(tmp_path: Path) -> None:
+    """create_schema() migrates as a service's start does: the file is at the current version."""
+    from tickler._stores.sqlite import _INDEXES_OF_V2, SCHEMA_VERSION
+
+    store = tickler.SqliteStore(tmp_path / "queue.db")
+    store.create_schema()
+    connection = sqlite3.connect(tmp_path / "queue.db", isolation_level=None)
+    try:
+        connection.execute("UPDATE tickler_schema SET version = 1")
+        store.create_schema()
+        assert connection.execute("SELECT version FROM tickler_schema").fetchone() == (
+            SCHEMA_VERSION,
+        )
+        names = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
+    finally:
+        connection.close()
+    assert set(_INDEXES_OF_V2) <= names
 
 
 @pytest.mark.parametrize("ending", ["returns", "raises"])
