@@ -48,7 +48,7 @@ class Batch:
     inserts: Sequence[tuple[Any, ...]] = ()
     """For each request enqueued since the last batch: (key, state, request, run_at, ...)."""
     outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
-    """(kind, id, values) for each attempt that ended: see Connection.run."""
+    """(kind, id, values) for each attempt that ended: see _sql.run_batch."""
     claim: int = 0
     """How many ready rows to claim."""
     renew: bool = False
@@ -62,7 +62,7 @@ class Batch:
     """Ids of attempts that started since their row was claimed, and still run."""
     isolate: bool = False
     """Insert each row in a savepoint of its own: a row the store refuses is reported
-    in BatchResult.refused, and the rest of the batch commits (see Connection.run)."""
+    in BatchResult.refused, and the rest of the batch commits (see _sql.run_batch)."""
 
 
 @attrs.define(eq=False)
@@ -80,7 +80,7 @@ class BatchResult:
     now: float = 0.0
     """The transaction's time."""
     shift: float = 0.0
-    """The store's clock minus this process's (time.time()), never less: see Connection._now."""
+    """The store's clock minus this process's (time.time()), never less: see _sql.Dialect.now."""
     missing: list[int] = attrs.Factory(list)
     """Watched ids with no row at all: deleted by a retention before they were read."""
     recent: list[int] = attrs.Factory(list)
@@ -100,13 +100,24 @@ class Session(Protocol):
 
     def run(
         self, queue: str, owner: str, lease: float, retention: float, batch: Batch
-    ) -> BatchResult: ...
+    ) -> BatchResult:
+        """Write and ask everything in ``batch`` in one transaction, as ``owner``."""
+        ...
 
-    def lookup(self, queue: str, id_or_key: object) -> Row | None: ...
+    def lookup(self, queue: str, id_or_key: object) -> Row | None:
+        """The queue's row of an id, or of a key (its live row first, else its latest)."""
+        ...
 
-    def cancel(self, queue: str, id_or_key: object) -> tuple[bool, int | None]: ...
+    def cancel(self, queue: str, id_or_key: object) -> tuple[bool, int | None]:
+        """Cancel a live request: at once unless it runs, else ask its owner.
 
-    def statistics(self, queue: str) -> dict[str, int]: ...
+        Returns whether a live request was found, and its id.
+        """
+        ...
+
+    def statistics(self, queue: str) -> dict[str, int]:
+        """The queue's rows by state; "claimed" are running rows whose attempt has not started."""
+        ...
 
     def close(self) -> None: ...
 
