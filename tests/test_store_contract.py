@@ -338,6 +338,23 @@ async def test_cancel_a_queued_and_a_running_request(backend: Backend) -> None:
     assert waiting.status is not tickler.Status.SUCCEEDED
 
 
+async def test_a_queued_request_cancelled_by_another_replica_ends_its_ticket(
+    backend: Backend,
+) -> None:
+    async with (
+        tickler.open_service(double, store=backend.store(), name="jobs") as owner,
+        tickler.open_service(double, store=backend.store(), name="jobs") as other,
+    ):
+        ticket = await owner.submit(1, key="later", delay=60)
+        assert await other.cancel("later")
+        assert not await other.cancel("later")  # no longer live
+        with trio.fail_after(5), pytest.raises(tickler.RequestCancelled):
+            await ticket.wait()
+        found = await owner.lookup(ticket.id)
+    assert found is not None
+    assert (found.status, found.attempts) == (tickler.Status.CANCELLED, 0)
+
+
 @pytest.mark.parametrize("outcome", ["returns", "raises"])
 async def test_a_request_cancelled_elsewhere_ends_cancelled_though_its_handler_ended_first(
     backend: Backend, outcome: str
