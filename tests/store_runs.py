@@ -8,12 +8,17 @@ store holds.
 from __future__ import annotations
 
 import collections
+import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+import tickler
 
 ROOT = Path(__file__).parent.parent
 
@@ -129,3 +134,22 @@ def driver_of(session: Any) -> Any:
     backend, read its settings.
     """
     return session.db
+
+
+def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path, **options: Any) -> Any:
+    """A real store of ``kind``: a SQLite file in tmp_path, or a fresh PostgreSQL schema."""
+    options = {"poll_interval": 0.05, "lease": 5.0, **options}
+    if kind == "sqlite":
+        return tickler.SqliteStore(tmp_path / "queue.db", synchronous="NORMAL", **options)
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    return tickler.PostgresStore(dsn, schema=schema, **options)
+
+
+def caller_connection(store: Any) -> Any:
+    """A connection of the caller's own to the store's database, for enqueue_in."""
+    if isinstance(store, tickler.SqliteStore):
+        return sqlite3.connect(store.path, isolation_level=None)
+    import psycopg
+
+    return psycopg.connect(store.dsn, autocommit=True)

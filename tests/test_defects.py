@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,27 +20,9 @@ import trio.testing
 import tickler
 
 from .conftest import check_identity
+from .store_runs import caller_connection, make_store
 
 STORES = ["sqlite", "postgres"]
-
-
-def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path, **options: Any) -> Any:
-    """A real store of ``kind``: a SQLite file in tmp_path, or a fresh PostgreSQL schema."""
-    options = {"poll_interval": 0.05, "lease": 5.0, **options}
-    if kind == "sqlite":
-        return tickler.SqliteStore(tmp_path / "queue.db", synchronous="NORMAL", **options)
-    dsn = request.getfixturevalue("postgres_dsn")
-    schema = request.getfixturevalue("postgres_schema")
-    return tickler.PostgresStore(dsn, schema=schema, **options)
-
-
-def caller_connection(store: Any) -> Any:
-    """A connection of the caller's own to the store's database, for enqueue_in."""
-    if isinstance(store, tickler.SqliteStore):
-        return sqlite3.connect(store.path, isolation_level=None)
-    import psycopg
-
-    return psycopg.connect(store.dsn, autocommit=True)
 
 
 async def echo(request: Any) -> Any:

@@ -14,7 +14,6 @@ import functools
 import gc
 import json
 import logging
-import sqlite3
 import weakref
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from hypothesis import strategies as st
 import tickler
 
 from .conftest import check_identity
+from .store_runs import caller_connection, make_store
 
 STORES = ["sqlite", "postgres"]
 CANCELLED = tickler.Status.CANCELLED
@@ -1291,23 +1291,6 @@ def test_random_cancels_keep_every_invariant(
 
 
 # ------------------------------------------------------------- with a store
-
-
-def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path, **options: Any) -> Any:
-    options = {"poll_interval": 0.05, "lease": 5.0, **options}
-    if kind == "sqlite":
-        return tickler.SqliteStore(tmp_path / "queue.db", synchronous="NORMAL", **options)
-    dsn = request.getfixturevalue("postgres_dsn")
-    schema = request.getfixturevalue("postgres_schema")
-    return tickler.PostgresStore(dsn, schema=schema, **options)
-
-
-def caller_connection(store: Any) -> Any:
-    if isinstance(store, tickler.SqliteStore):
-        return sqlite3.connect(store.path, isolation_level=None)
-    import psycopg
-
-    return psycopg.connect(store.dsn, autocommit=True)
 
 
 @pytest.mark.parametrize("kind", STORES)
