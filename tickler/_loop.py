@@ -286,18 +286,11 @@ class _Loop(_Processors[RequestT, ResultT]):
 
     def _is_idle(self) -> bool:
         stored = self._store_run
-        if stored is not None:
-            # With a store: nothing waits here, and at the last batch nothing
-            # of the queue was live in the store, in any process.
-            return (
-                not stored.has_work()
-                and not self._queue
-                and self._in_flight == 0
-                and stored.live == 0
-                and not stored.watched
-                and not stored.committing
-            )
-        return not self._queue and not self._heap and not self._incoming and self._in_flight == 0
+        if not self._drained(stored):
+            return False
+        # With a store, also: at the last batch nothing of the queue was live
+        # in the store, in any process.
+        return stored is None or (stored.live == 0 and not stored.watched and not stored.committing)
 
     async def cancel(self, id_or_key: int | Hashable) -> bool:
         """Cancel a live request, by its id (an int) or its key.
