@@ -57,7 +57,9 @@ _AHEAD = 8
 SWEEP_EVERY = 30
 
 # (key text, state, encoded request, run_at, ticket): a Batch's insert as it is.
-Pending = tuple[str | None, str, bytes, float, Ticket[Any, Any]]
+# (key, state, request, run_at, priority, unique_until, ticket): Batch.inserts' shape,
+# with the ticket the batch's result gives an id to.
+Pending = tuple[str | None, str, bytes, float, int, float | None, Ticket[Any, Any]]
 # (kind, ticket, values for its row, what the ticket gets once written)
 Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
 
@@ -340,7 +342,7 @@ class StoreSync:
         else:
             inserted = result.inserted
         for entry, (request_id, new) in zip(pending, inserted, strict=True):
-            ticket = entry[4]
+            ticket = entry[6]
             ticket.id = request_id
             if new:
                 self.tickets[request_id] = ticket
@@ -480,7 +482,7 @@ class StoreSync:
             if error is None:
                 kept.append(entry)
                 continue
-            ticket = entry[4]
+            ticket = entry[6]
             if self.refused_once.pop(ticket, None) is None:
                 self.refused_once[ticket] = error
                 again.append(entry)
@@ -604,7 +606,7 @@ class StoreSync:
                         f"service {engine.name!r}: the request could not be committed to the"
                         f" store before the run ended ({self.last_error})"
                     )
-                    engine._fail(entry[4], error, None, now)
+                    engine._fail(entry[6], error, None, now)
             self.committed.set()
             connection, self.connection = self.connection, None
             if connection is not None:
@@ -746,7 +748,7 @@ class StoreSync:
             ticket.enqueued_at = engine._time()
             ticket.id = 0
             engine._last_id += 1
-            self.pending.append((key_text, status.value, data, run_at, ticket))
+            self.pending.append((key_text, status.value, data, run_at, 0, None, ticket))
             self.accepted += 1
             if engine._thread == _get_ident():
                 engine._tickle()
