@@ -73,7 +73,7 @@ class _Loop(_Processors[RequestT, ResultT]):
                 ticket.enqueued_at = now
             if stored is not None:
                 for pending in stored.pending:
-                    pending[4].enqueued_at = now
+                    pending[6].enqueued_at = now
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery

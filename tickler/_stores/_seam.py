@@ -37,8 +37,9 @@ class Row:
 
 
 # A row a batch claimed, as its claim returns it: (id, request, attempts,
-# key, enqueued_at, run_at), run_at being the order in which claims start.
-Claimed = tuple[int, bytes, int, str | None, float, float]
+# key, enqueued_at, run_at, ...), run_at being the order in which claims start;
+# a store may add columns after these.
+Claimed = tuple[int, bytes, int, str | None, float, float, *tuple[Any, ...]]
 
 
 @attrs.define(eq=False)

@@ -417,7 +417,7 @@ class StoreSync:
         engine = self.engine
         to_trio = now - wall_clock()
         taken: list[Ticket[Any, Any]] = []
-        for request_id, data, attempts, _, enqueued, _ in result.claimed:
+        for request_id, data, attempts, _, enqueued, *_ in result.claimed:
             self.local.add(request_id)
             known = self.tickets.get(request_id)
             if known is None:
