@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import tickler
+from tickler._stores._sync import StoreSync
 
 ROOT = Path(__file__).parent.parent
 
@@ -153,3 +154,10 @@ def caller_connection(store: Any) -> Any:
     import psycopg
 
     return psycopg.connect(store.dsn, autocommit=True)
+
+
+def sync_of(service: tickler.Service[Any, Any]) -> StoreSync:
+    """The store side of a service with a store: white-box tests of its rules read it."""
+    stored = service._store_run
+    assert isinstance(stored, StoreSync)
+    return stored

@@ -31,6 +31,7 @@ from typing import Any
 import trio
 
 import tickler
+from tickler._stores._sync import StoreSync
 
 
 class Log:
@@ -82,8 +83,9 @@ async def main(args: argparse.Namespace) -> None:
         tickler.open_service(handler, store=store, name="jobs", capacity=args.capacity) as service,
         trio.open_nursery() as nursery,
     ):
-        assert service._store_run is not None
-        log("owner", service._store_run.owner)
+        stored = service._store_run
+        assert isinstance(stored, StoreSync)
+        log("owner", stored.owner)
         nursery.start_soon(report_store_errors, service, log)
         delay = 1.0 if args.keys_due is None else max(0.0, args.keys_due - time.time())
         keyed = [

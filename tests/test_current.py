@@ -153,7 +153,7 @@ async def test_nothing_is_kept_once_processors_park_or_exit(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """The lookup table holds no request once the work is done, and no task once the run ends."""
-    from tickler import _processors
+    from tickler import _current
 
     async def handler(request: int) -> None:
         await trio.lowlevel.checkpoint()
@@ -163,7 +163,7 @@ async def test_nothing_is_kept_once_processors_park_or_exit(
             service.enqueue_request(i)
         await service.join()
         await trio.testing.wait_all_tasks_blocked()
-        attempts = [a for a in _processors._ATTEMPTS.values() if a.service is service]
+        attempts = [a for a in _current.ATTEMPTS.values() if a.service is service]
         assert attempts
         assert all(a.ticket is None for a in attempts)
-    assert not [a for a in _processors._ATTEMPTS.values() if a.service is service]
+    assert not [a for a in _current.ATTEMPTS.values() if a.service is service]

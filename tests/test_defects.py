@@ -20,7 +20,7 @@ import trio.testing
 import tickler
 
 from .conftest import check_identity
-from .store_runs import caller_connection, make_store
+from .store_runs import caller_connection, make_store, sync_of
 
 STORES = ["sqlite", "postgres"]
 
@@ -469,7 +469,7 @@ def count_renewals(
 
     def counted(self: StoreSync, *args: Any) -> Any:
         built = build(self, *args)
-        if self is service._store_run and built[0].renew:
+        if self is sync_of(service) and built[0].renew:
             renewals.append(1)
         return built
 

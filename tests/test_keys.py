@@ -111,8 +111,8 @@ async def test_a_key_is_freed_when_its_request_fails_or_is_cancelled(
             assert second.status is tickler.Status.FAILED
             await service.stop()
     # No key outlives its request.
-    assert not service._keys
-    assert not service._key_of
+    assert not service._intake.keys
+    assert not service._intake.key_of
 
 
 async def test_a_live_key_is_returned_even_when_the_queue_is_full() -> None:

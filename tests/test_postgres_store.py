@@ -16,7 +16,7 @@ import trio
 import tickler
 
 from .conftest import Cluster
-from .store_runs import driver_of
+from .store_runs import driver_of, sync_of
 
 
 async def double(request: int) -> int:
@@ -81,7 +81,7 @@ async def test_the_server_dropping_the_connection_loses_nothing(
     queue = store(postgres_dsn, postgres_schema, poll_interval=0.05)
     async with tickler.open_service(double, store=queue, name="jobs") as service:
         await (await service.submit(0)).wait()
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         assert stored.connection is not None
         pid = driver_of(stored.connection).info.backend_pid
@@ -182,7 +182,7 @@ async def test_lookup_and_cancel_survive_a_session_the_server_ended(
     queue = store(postgres_dsn, postgres_schema, poll_interval=30)
     async with tickler.open_service(double, store=queue, name="jobs") as service:
         ticket = await service.submit(1, delay=600)
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         assert stored.connection is not None
         for call in (service.lookup, service.cancel):
@@ -243,7 +243,7 @@ async def test_a_server_restart_mid_run_loses_nothing(
     queue = store(dsn, cluster_schema, lease=10.0, poll_interval=2.0)
     tickets: list[tickler.Ticket[int, int]] = []
     async with tickler.open_service(handler, store=queue, name="jobs", capacity=50) as service:
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
 
         async def enqueue_for(seconds: float) -> None:
@@ -413,8 +413,8 @@ async def test_connections_keep_tcp_alive_unless_the_dsn_says_otherwise(
         async with tickler.open_service(
             double, store=store(dsn, postgres_schema), name="jobs"
         ) as service:
-            assert service._store_run is not None
-            connection = service._store_run.connection
+            assert sync_of(service) is not None
+            connection = sync_of(service).connection
             assert connection is not None
             said = driver_of(connection).info.get_parameters()
             assert (said.get("keepalives"), said.get("keepalives_idle")) == ("1", idle)

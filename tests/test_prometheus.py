@@ -23,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import tickler
 import tickler.prometheus
 
+from .store_runs import sync_of
+
 ROOT = Path(__file__).parent.parent
 
 # A sample's name and labels; an `le` label is compared as a number.
@@ -338,8 +340,8 @@ async def test_a_failed_store_read_still_reports_the_statistics(
 
     async with settled_store_service(tmp_path) as service:
         registry = registry_of(service)
-        assert service._store_run is not None
-        monkeypatch.setattr(service._store_run.connection, "statistics", broken)
+        assert sync_of(service) is not None
+        monkeypatch.setattr(sync_of(service).connection, "statistics", broken)
         statistics = service.statistics()
         text = await trio.to_thread.run_sync(scrape, registry)
         after = service.statistics()

@@ -13,7 +13,7 @@ import trio.testing
 
 import tickler
 
-from .store_runs import driver_of
+from .store_runs import driver_of, sync_of
 
 FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
 
@@ -36,7 +36,7 @@ async def echo(request: Any) -> Any:
 
 async def settled(service: tickler.Service[Any, Any]) -> Any:
     """Wait until the loop has taken its first look at the store and sleeps in receive()."""
-    stored = service._store_run
+    stored = sync_of(service)
     assert stored is not None
     with trio.fail_after(5):
         while stored.checks == 0 or stored.committing:
@@ -201,7 +201,7 @@ async def test_a_stops_deadline_holds_while_the_store_keeps_failing(tmp_path: Pa
         with trio.fail_after(5):
             while service.statistics().in_flight < 1:
                 await trio.sleep(0.01)
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         assert stored.connection is not None
         db = driver_of(stored.connection)
@@ -231,7 +231,7 @@ async def test_rows_held_without_knowing_are_handed_back(tmp_path: Path) -> None
     store = store_at(tmp_path)
     async with tickler.open_service(echo, store=store, name="jobs") as service:
         ticket = await service.submit(1, delay=600)
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         connection = sqlite3.connect(store.path)
         with connection:  # claimed for this process, as a lost reply would leave it
@@ -289,7 +289,7 @@ async def test_requests_the_final_flush_cannot_commit_fail_and_say_why(
         service = tickler.Service(echo, store=store, name="jobs")
         await nursery.start(service.run)
         assert await (await service.submit(0)).wait() == 0
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         assert stored.connection is not None
         db = driver_of(stored.connection)

@@ -16,7 +16,7 @@ import trio
 
 import tickler
 
-from .store_runs import driver_of
+from .store_runs import driver_of, sync_of
 
 FAST: dict[str, Any] = {"lease": 2.0, "poll_interval": 0.05}
 
@@ -219,7 +219,7 @@ async def test_a_full_disk_delays_the_commit_and_loses_nothing(
     store = store_at(tmp_path)
     async with tickler.open_service(double, store=store, name="jobs") as service:
         await (await service.submit(0)).wait()
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         assert stored.connection is not None
         db = driver_of(stored.connection)
@@ -318,7 +318,7 @@ async def test_a_renewal_that_finds_the_lease_gone_cancels_the_attempt(tmp_path:
         connection.close()
         with trio.fail_after(5):
             assert await ticket.wait() == 7
-        stored = service._store_run
+        stored = sync_of(service)
         assert stored is not None
         assert not stored.local  # (regression: lost attempts stayed in it)
     assert service.statistics().succeeded == 0  # not this process's outcome
@@ -687,14 +687,14 @@ async def test_an_attempt_that_ends_by_itself_after_its_cancel_frees_its_slot(
         with trio.fail_after(10):
             assert await (await service.submit(2)).wait() == 20
         assert service.statistics().in_flight == 0
-        assert service._store_run is not None
-        assert service._store_run.reasons == {}
-        assert service._store_run.scopes == {}
+        assert sync_of(service) is not None
+        assert sync_of(service).reasons == {}
+        assert sync_of(service).scopes == {}
     assert rows(store.path) == [(1, "cancelled", 1), (2, "succeeded", 1)]
 
 
 async def until_withdrawn(service: Any) -> None:
     """Until the cancel has reached the running attempt (its processor's scope is cancelled)."""
     with trio.fail_after(10):
-        while not service._store_run.reasons:
+        while not sync_of(service).reasons:
             await trio.sleep(0.01)

@@ -187,8 +187,8 @@ async def test_a_key_whose_hash_changes_while_live_does_not_break_the_service(
         ticket = service.enqueue_request("a", key=key)
         assert await ticket.wait() == "a"
         assert await service.enqueue_request("b", key=MutableKey(1)).wait() == "b"
-    assert not service._keys
-    assert not service._key_of
+    assert not service._intake.keys
+    assert not service._intake.key_of
     check_identity(service.statistics())
 
 

@@ -10,10 +10,10 @@ from ._exceptions import RequestFailed as RequestFailed
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
-from ._processors import current_service as current_service
-from ._processors import current_ticket as current_ticket
 from ._retry import Retry as Retry
 from ._service import Service as Service
+from ._service import current_service as current_service
+from ._service import current_ticket as current_ticket
 from ._service import open_service as open_service
 from ._statistics import TIME_BUCKETS as TIME_BUCKETS
 from ._statistics import Histogram as Histogram

@@ -39,3 +39,14 @@ class RequestFailed(TicklerError):
         self.error_type = error_type
         self.error_message = error_message
         self.error_traceback = error_traceback
+
+
+class Withdrawn(Exception):
+    """Raised in place of an attempt the store's loop took away: cancelled, handed back or lost.
+
+    Private: it never reaches a caller, only the store's record of the attempt.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

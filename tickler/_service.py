@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import collections
-import contextvars
 import inspect
-import itertools
 import logging
-import math
-import threading
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +13,6 @@ import trio
 
 from ._codec import Codec, JsonCodec, check_codec, check_queue_name
 from ._core import (
-    _UNBOUNDED,
     ErrorHook,
     Handler,
     _check_timeout,
@@ -26,12 +20,17 @@ from ._core import (
     _get_ident,
     logger,
 )
-from ._loop import _Loop
-from ._processors import _Parked
+from ._current import current_attempt
+from ._engine import _Engine
+from ._intake import Intake
+from ._outcomes import Outcomes
+from ._parts import StorePart
 from ._retry import Retry
 from ._statistics import TIME_BUCKETS, Histogram, ServiceStatistics
+from ._stopping import Stopping
 from ._stores._seam import Store
 from ._stores._sync import StoreSync
+from ._supervisor import Supervisor
 from ._ticket import RequestT, ResultT, Ticket
 
 
@@ -79,7 +78,7 @@ def _is_async(fn: object) -> bool:
     )
 
 
-class Service(_Loop[RequestT, ResultT]):
+class Service(_Engine[RequestT, ResultT]):
     """A background work service built on the tickler pattern.
 
     Requests wait in a FIFO queue; one supervisor loop, woken ("tickled")
@@ -100,7 +99,9 @@ class Service(_Loop[RequestT, ResultT]):
         name: shown in the repr and in log lines.
     """
 
-    __slots__ = ()  # the state's slots are _ServiceCore's
+    # The engine (its base class) holds the hot state and its parts; the
+    # supervisor, which only Service calls, is the one part it does not hold.
+    __slots__ = ("_supervisor",)
 
     def __init__(
         self,
@@ -124,7 +125,7 @@ class Service(_Loop[RequestT, ResultT]):
                 raise TypeError("max_queue_length must be an int or None")
             if max_queue_length < 1:
                 raise ValueError("max_queue_length must be >= 1")
-        self._timeout = _check_timeout("timeout", timeout, allow_zero=False)
+        _check_timeout("timeout", timeout, allow_zero=False)
         if retry is not None and not isinstance(retry, Retry):
             raise TypeError("retry must be a tickler.Retry or None")
         if on_error is not None and not callable(on_error):
@@ -141,123 +142,36 @@ class Service(_Loop[RequestT, ResultT]):
             if store is None:
                 raise ValueError("codec is for a service with a store; give store= too")
             check_codec(codec)
-        self._store_run: StoreSync | None = None
+        sync: StoreSync | None = None
         if store is not None:
             check_queue_name(name, "name")
             # The name is the queue in the store; one handler per queue: a
             # second service on a queue whose service has not ended is refused.
             services = _RUNNING_QUEUES.setdefault(store, weakref.WeakValueDictionary())
             other = services.get(name)
-            if other is not None and not other._finished.is_set():
+            if other is not None and not other._stopping.finished.is_set():
                 raise ValueError(
                     f"name {name!r}: a service of this process already runs that queue on"
                     f" {store!r}; one service per queue and store (stop it first)"
                 )
+        timeout = _check_timeout("timeout", timeout, allow_zero=False)
+        super().__init__(
+            handler, capacity, max_queue_length, timeout, histograms, name, store is not None
+        )
+        # The parts, each holding the engine (as trio's Runner holds its parts).
+        if store is not None:
             if codec is None:
                 codec = JsonCodec()
-            self._store_run = StoreSync(self, store, codec)
+            sync = StoreSync(self, store, codec)
             store.use_codec(name, codec)
             services[name] = self
-
-        self._handler = handler
-        self._retry = retry
-        self._on_error = on_error if on_error is not None else default_on_error
-        self.name = name
-        self.max_queue_length = max_queue_length
-        # tuned (bench: enqueue): the queue length at which enqueue_request
-        # refuses: the cap less the delayed requests while the service is
-        # open, 0 once closed or with a store (whose path every enqueue takes),
-        # so one comparison on the hot path covers every refusal.
-        self._admit = max_queue_length if max_queue_length is not None else _UNBOUNDED
-        self._admit = 0 if self._store_run is not None else self._admit
-        self._closed = False
-
-        # The queue. A threading.Lock, not a Trio lock: enqueue_request is
-        # also called from threads that are not running Trio.
-        self._lock = threading.Lock()
-        self._queue: collections.deque[Ticket[RequestT, ResultT]] = collections.deque()
-        # The cap. Slots are borrowed on behalf of each request's ticket, so
-        # the limiter's statistics name the requests in flight.
-        self._limiter = trio.CapacityLimiter(capacity)
-        self._capacity = capacity  # mirrors the limiter's total, for the hot path
-        # Retries wait here, ordered by due time, held by the loop itself: a
-        # retry never needs a queue place, so a full queue cannot block it.
-        self._heap: list[tuple[float, int, Ticket[RequestT, ResultT]]] = []
-        self._heap_seq = itertools.count()
-        # Delayed requests on their way to the heap: enqueue_request (from any
-        # thread) appends (delay, ticket) under the lock; the loop moves them
-        # into the heap, which only its own thread touches.
-        self._incoming: list[tuple[float, Ticket[RequestT, ResultT]]] = []
-        self._scheduled = 0  # delayed requests not yet started, under the lock
-        # Keys of live requests, and the key of each keyed live ticket.
-        self._keys: dict[object, Ticket[RequestT, ResultT]] = {}
-        self._key_of: dict[Ticket[RequestT, ResultT], object] = {}
-        # submit() callers waiting for room in the queue, and how many.
-        self._room = trio.lowlevel.ParkingLot()
-        self._submitters = 0
-        # Processors with nothing to do, parked until the loop hands them a start.
-        self._idle: list[_Parked] = []
-        self._handed: dict[int, Ticket[RequestT, ResultT]] = {}
-        self._doomed: set[Ticket[RequestT, ResultT]] = set()
-
-        self._init_counters(histograms)
-        self._init_stopping_and_run()
-
-    def _init_counters(self, histograms: bool) -> None:
-        """The counters statistics() reads, and the wait and run time histograms."""
-        self._last_id = 0  # also the `enqueued` counter
-        self._started = 0
-        self._succeeded = 0
-        self._failed = 0
-        self._cancelled = 0
-        self._retried = 0
-        self._rejected = 0
-        self._deduplicated = 0
-        self._wakeups = 0
-        self._peak = 0
-        self._in_flight = 0
-        self._retrying = 0
-        self._histograms = histograms
-        self._wait_counts = [0] * (len(TIME_BUCKETS) + 1)
-        self._wait_sum = 0.0
-        self._run_counts = [0] * (len(TIME_BUCKETS) + 1)
-        self._run_sum = 0.0
-
-    def _init_stopping_and_run(self) -> None:
-        """What stopping and joining keep, and what the run sets when it starts."""
-        self.stopping = trio.Event()
-        self._finished = trio.Event()
-        self._stop_called = False
-        self._stop_deadline = math.inf
-        # A drain is under way and still takes follow-ups from handlers.
-        self._draining = False
-        self._stopped_tickets: list[Ticket[RequestT, ResultT]] = []
-        self._may_start = True
-        # Processors whose handlers wait in stop(): a stop called from inside
-        # the service waits for everything but them (see stop).
-        self._insiders: collections.Counter[trio.lowlevel.Task] = collections.Counter()
-        self._quiet = trio.Event()
-        # Set when nothing is queued, retrying or in flight, for join().
-        self._idle_event: trio.Event | None = None
-        # The last context a request was enqueued with: requests enqueued from
-        # one unchanged context share one Context object instead of a copy each.
-        self._last_context: tuple[contextvars.Context, tuple[Any, ...], int] | None = None
-
-        # Set when run starts: the Trio clock, read as `_offset + _timer()`
-        # (see _offset_of), and the token that also tells whether the service
-        # has ever run.
-        self._offset = 0.0
-        self._timer: Callable[[], float] | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        # Before the run: the run that waited on the service (see _bind).
-        self._bound: trio.lowlevel.TrioToken | None = None
-        self._thread: int | None = None
-        self._nursery: trio.Nursery | None = None
-        self._signal_tx: trio.MemorySendChannel[None] | None = None
-        self._signal_rx: trio.MemoryReceiveChannel[None] | None = None
-        self._wakeup_pending = False
-        self._foreign_pending = False
-        self._debug = logger.isEnabledFor(logging.DEBUG)
+        self._store_run = sync
+        self._intake = intake = Intake(self)
+        self._outcomes = Outcomes(
+            self, retry, on_error if on_error is not None else default_on_error
+        )
+        self._stopping = stopping = Stopping(self, sync)
+        self._supervisor = Supervisor(self, intake, stopping, sync)
 
     @property
     def capacity(self) -> int:
@@ -289,7 +203,7 @@ class Service(_Loop[RequestT, ResultT]):
         stored = self._store_run
         return (
             self._token is not None
-            and not self._finished.is_set()
+            and not self._stopping.finished.is_set()
             and (stored is None or stored.connection is not None)
         )
 
@@ -315,7 +229,7 @@ class Service(_Loop[RequestT, ResultT]):
             queued = len(self._queue)
             return ServiceStatistics(
                 queued=queued,
-                scheduled=self._scheduled,
+                scheduled=self._intake.scheduled,
                 in_flight=self._in_flight,
                 retrying=self._retrying,
                 capacity=self._capacity,
@@ -323,13 +237,13 @@ class Service(_Loop[RequestT, ResultT]):
                 enqueued=self._last_id,
                 started=self._started,
                 succeeded=self._succeeded,
-                failed=self._failed,
-                cancelled=self._cancelled,
-                retried=self._retried,
-                rejected=self._rejected,
-                deduplicated=self._deduplicated,
+                failed=self._outcomes.failed,
+                cancelled=self._outcomes.cancelled,
+                retried=self._outcomes.retried,
+                rejected=self._intake.rejected,
+                deduplicated=self._intake.deduplicated,
                 store_errors=self._store_run.errors if self._store_run is not None else 0,
-                wakeups=self._wakeups,
+                wakeups=self._supervisor.wakeups,
                 peak_queued=max(self._peak, queued),
                 wait_time=Histogram(TIME_BUCKETS, tuple(self._wait_counts), self._wait_sum)
                 if self._histograms
@@ -339,11 +253,165 @@ class Service(_Loop[RequestT, ResultT]):
                 else None,
             )
 
+    @property
+    def stopping(self) -> trio.Event:
+        """Set once a stop has begun: handlers may watch it to wind down early."""
+        return self._stopping.event
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the service until it is stopped; use ``await nursery.start(service.run)``.
+
+        Raises:
+            ServiceClosed: the service was stopped before it ran.
+            RuntimeError: ``run`` was already called.
+        """
+        await self._supervisor.run(task_status=task_status)
+
+    async def submit(
+        self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
+    ) -> Ticket[RequestT, ResultT]:
+        """Like :meth:`enqueue_request`, but wait for room when the queue is full.
+
+        As Trio's ``send`` is to ``send_nowait``. Always a checkpoint. If it
+        is cancelled while it waits, nothing was enqueued; if it returns, the
+        request was enqueued even when a cancellation arrived meanwhile (the
+        caller's next checkpoint raises it). Waiters get room in turn as
+        processors take requests out of the queue. From an OS thread, call
+        ``trio.from_thread.run(service.submit, request)``.
+
+        Raises:
+            QueueFull: the queue is full and the caller is one of the
+                service's own handlers (or a task it spawned): it raises at
+                once rather than wait, because every slot could end up
+                waiting for room that only a slot can make.
+            ServiceClosed: the service is closed, or closes while it waits.
+            RuntimeError: called from a different Trio run than the service's.
+        """
+        return await self._intake.submit(request, key=key, delay=delay)
+
+    async def join(self) -> None:
+        """Wait until nothing is queued, retrying or in flight; close nothing.
+
+        Returns at once if the service is idle, and is always a checkpoint.
+        Requests enqueued while it waits are waited for too. Before ``run``
+        it waits for the run to take the queue; after the run has ended
+        nothing is left and it returns.
+
+        Raises:
+            RuntimeError: called from one of the service's own handlers (it
+                would wait for itself), or from a different Trio run.
+        """
+        await self._stopping.join()
+
+    async def stop(
+        self, *, drain: bool = True, timeout: float | None = None
+    ) -> list[Ticket[RequestT, ResultT]]:
+        """Stop the service and return the tickets that did not complete.
+
+        Enqueueing is refused from the first instant. With ``drain=True`` the
+        service keeps starting queued requests and due retries until nothing
+        is queued, retrying or in flight; with ``drain=False`` it starts
+        nothing more and cancels what is queued or retrying at once. Either way
+        it then waits for what runs, up to ``timeout`` seconds (``None``: no
+        limit; ``0``: not at all), and cancels what still runs.
+
+        The first call decides ``drain`` and ``timeout``, and the deadline
+        belongs to the stop, not to that call: cancelling the caller does not
+        cancel the stop. Concurrent and later calls wait for the same stop and
+        return the same tickets.
+
+        Called from inside one of the service's own handlers (or a task a
+        handler spawned), it waits for everything except the requests whose
+        handlers are in ``stop()``, and returns the tickets cancelled so far.
+
+        Returns:
+            Every ticket that did not complete, marked CANCELLED, by id.
+
+        Raises:
+            RuntimeError: called from a different Trio run than the service's.
+        """
+        return await self._stopping.stop(drain=drain, timeout=timeout)
+
+    async def cancel(self, id_or_key: int | Hashable) -> bool:
+        """Cancel a live request, by its id (an int) or its key.
+
+        A queued, scheduled or retrying request becomes CANCELLED at once.
+        A running one has its handler cancelled: in memory at once, with a
+        store in the process that runs it (within the store's
+        ``poll_interval``). It is never retried. Requests this service
+        accepted before the call are seen by it, as program order says.
+
+        In memory, an attempt cancelled while running ends CANCELLED when
+        the cancellation reaches it (at its next checkpoint); one that
+        returns without reaching a checkpoint ends as it returned, and one
+        that raises something else ends FAILED, not retried. With a store,
+        a request whose cancel was asked for ends CANCELLED whatever its
+        attempt does.
+
+        Returns:
+            Whether a live request with that id or key was found.
+
+        Raises:
+            TypeError: a key that is not hashable (with a store: not a str or
+                a tuple of strs and ints).
+            RuntimeError: called from a different Trio run than the service's.
+        """
+        if self._store_run is None:
+            return await self._outcomes.cancel_in_memory(id_or_key)
+        return await self._require_store("cancel").cancel(id_or_key)
+
+    async def lookup(self, id_or_key: int | Hashable) -> Ticket[Any, Any] | None:
+        """The request's state as the store has it, from any process; None if unknown.
+
+        The ticket's times are the store's (seconds since the epoch); a
+        failure's error is a :class:`tickler.RequestFailed` holding its type,
+        message and traceback as text. For a key, the live request, else the
+        latest one.
+        """
+        return await self._require_store("lookup").lookup(id_or_key)
+
+    async def store_statistics(self) -> dict[str, int]:
+        """Exact counts of this service's queue in the store, by status, over every process."""
+        return await self._require_store("store_statistics").statistics()
+
+    def _require_store(self, what: str) -> StorePart:
+        stored = self._store_run
+        if stored is None:
+            raise RuntimeError(f"{what}() needs a service with a store")
+        self._check_run("used")
+        return stored
+
     def __repr__(self) -> str:
         return (
             f"<tickler.Service {self.name!r} {self._in_flight}/{self.capacity} in flight,"
             f" {len(self._queue)} queued, {self._retrying} retrying>"
         )
+
+
+def current_service() -> Service[Any, Any]:
+    """The service running the calling handler.
+
+    Works in the handler, in everything it calls, and in the tasks it spawns
+    into its own nurseries (which end before the handler returns); from a
+    thread the handler started with ``trio.to_thread.run_sync``, call
+    ``trio.from_thread.run_sync(tickler.current_service)``.
+
+    Raises:
+        RuntimeError: called outside a tickler handler.
+    """
+    service: Service[Any, Any] = current_attempt("current_service").service
+    return service
+
+
+def current_ticket() -> Ticket[Any, Any]:
+    """The ticket of the request whose handler is calling; see :func:`current_service`.
+
+    Raises:
+        RuntimeError: called outside a tickler handler.
+    """
+    ticket = current_attempt("current_ticket").ticket
+    assert ticket is not None
+    return ticket
 
 
 @asynccontextmanager

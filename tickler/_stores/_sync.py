@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import contextvars
 import math
-import time
 import types
 import uuid
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -40,14 +39,13 @@ from .._core import (
     _get_ident,
     _one_line,
     logger,
+    wall_clock,
 )
 from .._core import _EMPTY_CONTEXT as _EMPTY
-from .._exceptions import QueueFull, RequestFailed, StoreError
+from .._engine import _Engine
+from .._exceptions import QueueFull, RequestFailed, StoreError, Withdrawn
 from .._ticket import FINAL, Status, Ticket
 from ._seam import Batch, BatchResult, Row, Session, Store
-
-if TYPE_CHECKING:
-    from .._loop import _Loop
 
 _T = TypeVar("_T")
 
@@ -64,19 +62,11 @@ Pending = tuple[str | None, str, bytes, float, int, float | None, Ticket[Any, An
 Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
 
 
-class Withdrawn(Exception):
-    """Raised in place of an attempt the loop took away: cancelled, handed back or lost."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 @attrs.define(eq=False)
 class StoreSync:
     """The state of one service's run against its store, and the rules that keep it."""
 
-    engine: _Loop[Any, Any]
+    engine: _Engine[Any, Any]
     store: Store
     codec: Codec
     owner: str = attrs.Factory(lambda: uuid.uuid4().hex)
@@ -127,6 +117,18 @@ class StoreSync:
     last_error: str = ""  # the last failed batch's error, in one line
     # A batch is in flight: what it took from pending is not in the store yet.
     committing: bool = False
+
+    def attempt_started(self, request_id: int, scope: trio.CancelScope) -> None:
+        """An attempt started here, under ``scope``: the loop may take it away through it."""
+        self.scopes[request_id] = scope
+
+    def attempt_ended(self, request_id: int) -> None:
+        """The attempt's handler returned or raised: nothing takes it away any more."""
+        del self.scopes[request_id]
+
+    def withdrawn_reason(self, request_id: int) -> str | None:
+        """Why the loop took the attempt away (once: then forgotten); None if it did not."""
+        return self.reasons.pop(request_id, None) if self.reasons else None
 
     def withdraw(self, request_id: int, reason: str) -> bool:
         """Cancel a running attempt; True if it was running here."""
@@ -261,7 +263,7 @@ class StoreSync:
         # a cancel() settles.
         ahead = min(2 * len(self.outcomes), _AHEAD * engine._capacity)
         free = engine._capacity + ahead - engine._in_flight - len(engine._queue)
-        claiming = engine._may_start and not engine._stop_called and not self.holds
+        claiming = engine._may_start and not engine._stopping.stop_called and not self.holds
         claim = free if claiming and free > 0 else 0
         # Looks are scheduled on Trio's clock, never the wall clock: a step
         # of the wall clock must not stall the loop.
@@ -278,9 +280,9 @@ class StoreSync:
             # trying to commit what was accepted.
             now = engine._time()
             assert now is not None
-            if engine._stop_called and now >= engine._stop_deadline:
-                engine._expire()
-            await trio.sleep_until(min(now + delay, engine._stop_deadline))
+            if engine._stopping.stop_called and now >= engine._stopping.stop_deadline:
+                engine._stopping.expire()
+            await trio.sleep_until(min(now + delay, engine._stopping.stop_deadline))
             return None
         self.marked.update(batch.started)
         looked = batch.finished_since is not None
@@ -349,7 +351,7 @@ class StoreSync:
             else:
                 # The key was live: this ticket follows that request. It was
                 # counted as enqueued when accepted; it is a deduplicated call.
-                engine._deduplicated += 1
+                engine._intake.deduplicated += 1
                 engine._last_id -= 1
                 self.watched.setdefault(request_id, []).append(ticket)
         if pending:
@@ -357,7 +359,7 @@ class StoreSync:
             self.committed.set()
             self.committed = trio.Event()
             if engine._submitters:
-                engine._room.unpark_all()
+                engine._intake.room.unpark_all()
 
     def _apply_outcomes(
         self, outcomes: list[Outcome], applied: list[str | None], now: float
@@ -376,26 +378,27 @@ class StoreSync:
                 continue
             if state == "retrying":
                 ticket.status = _RETRYING
-                engine._retried += 1
+                engine._outcomes.retried += 1
                 continue
             if state == "queued":  # handed back
                 ticket.status = _QUEUED
                 continue
             self.tickets.pop(request_id, None)
             if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
-                if kind in ("handed_back", "returned") and ticket in engine._stopped_tickets:
-                    engine._stopped_tickets.remove(ticket)  # the stop handed back none of it
+                stopped = engine._stopping.stopped_tickets
+                if kind in ("handed_back", "returned") and ticket in stopped:
+                    stopped.remove(ticket)  # the stop handed back none of it
                 kind = "cancelled"
             if kind == "succeeded":
                 engine._succeeded += 1
                 engine._finish(ticket, _SUCCEEDED, (now, local))
             elif kind == "cancelled":
-                engine._cancelled += 1
+                engine._outcomes.cancelled += 1
                 engine._finish(ticket, _CANCELLED, (now, None))
             else:
                 exc, tb, context = local
-                engine._fail(ticket, exc, tb, now)
-                engine._call_on_error(ticket, exc, context)
+                engine._outcomes.fail(ticket, exc, tb, now)
+                engine._outcomes.call_on_error(ticket, exc, context)
             # Tickets of this process that follow the same request (a live key).
             for follower in self.watched.pop(request_id, ()):
                 engine._finish(follower, ticket.status, ticket._state)
@@ -489,7 +492,8 @@ class StoreSync:
                 continue
             logger.error("service %r: the store refused a request (%s)", engine.name, error)
             self.settled += 1
-            engine._fail(ticket, StoreError(f"the store refused the request: {error}"), None, now)
+            refusal = StoreError(f"the store refused the request: {error}")
+            engine._outcomes.fail(ticket, refusal, None, now)
             failed = True
         if failed:
             self.committed.set()  # submit() raises the ticket's error
@@ -606,7 +610,7 @@ class StoreSync:
                         f"service {engine.name!r}: the request could not be committed to the"
                         f" store before the run ended ({self.last_error})"
                     )
-                    engine._fail(entry[6], error, None, now)
+                    engine._outcomes.fail(entry[6], error, None, now)
             self.committed.set()
             connection, self.connection = self.connection, None
             if connection is not None:
@@ -659,7 +663,7 @@ class StoreSync:
         if status in FINAL:
             # (A result this codec cannot decode fails the ticket with the error.)
             ticket.status, ticket._state = self._decoded(row)
-        elif not engine._finished.is_set():
+        elif not engine._stopping.finished.is_set():
             # The ticket follows the row to its final state, wherever it
             # runs: this process's looks at the store finish it (the next
             # look, within poll_interval, or at once if it runs here).
@@ -678,7 +682,7 @@ class StoreSync:
         if self.settled >= wanted:
             return
         engine._tickle()
-        while self.settled < wanted and not engine._finished.is_set():
+        while self.settled < wanted and not engine._stopping.finished.is_set():
             await self.committed.wait()
 
     async def statistics(self) -> dict[str, int]:
@@ -735,11 +739,11 @@ class StoreSync:
             ticket.status = status
         run_at = wall_clock() + (delay or 0.0)
         with engine._lock:
-            engine._check_open()
+            engine._intake.check_open()
             bound = engine.max_queue_length
             if bound is not None and len(self.pending) >= bound:
                 if not waits:
-                    engine._rejected += 1
+                    engine._intake.rejected += 1
                 engine._last_context = None
                 raise QueueFull(
                     f"service {engine.name!r} already has {len(self.pending)} requests"
@@ -769,7 +773,7 @@ class StoreSync:
         engine = self.engine
         self.outcomes.append((kind, ticket, values, local))
         if kind == "handed_back" or kind == "returned":
-            engine._stopped_tickets.append(ticket)
+            engine._stopping.stopped_tickets.append(ticket)
         engine._tickle()
 
     def record_success(
@@ -830,14 +834,14 @@ class StoreSync:
             _storable(str(exc)),
             _storable(_format_exception(exc)),
         )
-        retry = engine._retry
+        retry = engine._outcomes.retry
         if retry is not None and retry.should_retry(ticket.attempts, exc):
             if not engine._may_start:
                 self.record("handed_back", ticket, (wall_clock(),))
                 return
             delay = retry.delay(ticket.attempts)
             self.record("retrying", ticket, (wall_clock() + delay, *text))
-            engine._log_retry(ticket, exc, delay, context)
+            engine._outcomes.log_retry(ticket, exc, delay, context)
             return
         self.record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
 
@@ -845,7 +849,3 @@ class StoreSync:
 def _storable(text: str) -> str:
     """Text every store can keep: lone surrogates (say, from surrogateescape) and NULs escaped."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
-
-
-def wall_clock() -> float:
-    return time.time()

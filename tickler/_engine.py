@@ -1,0 +1,1047 @@
+"""The engine: the hot state of a service, and every request's path through it.
+
+One class, :class:`_Engine`, holds what every request touches and every
+hand-tuned line (``grep -n "# tuned" tickler/`` lists them, each with the
+benchmark row it serves and its twin): the enqueue fast path, ``_take``,
+``_dispatch``, the processor loop ``_process``, parking, and the tickle of
+the one-slot signal. :class:`tickler.Service` subclasses it directly, so
+that ``enqueue_request`` stays a single call.
+
+Everything else is a part the engine holds as a field, as trio's ``Runner``
+holds its ``entry_queue`` and ``io_manager``: ``_intake`` (keys, delays,
+submit, refusals), ``_outcomes`` (retries, failures, cancels, ``on_error``),
+``_stopping`` (stop, join, drains), and with a store ``_store_run`` (the
+store side). The engine knows them by the protocols in ``_parts`` and
+imports none of them.
+
+The processor loop is the per-request path; its rare branches are helpers:
+``_fresh_context`` (the last handler set variables of its own),
+``_not_started`` (a request taken but ended before it starts: a cancel, a
+stop, a crash), ``_scoped`` (a timeout, or a store that may take the
+attempt away), and the outcomes part for failures and cancellations.
+
+The context of an attempt: Trio runs every step of a task inside
+``task.context``, read afresh at each step. An attempt sets its enqueuer's
+variables there (the very objects) and the handler runs in it like any code
+of the task. The next attempt for the same enqueuer's context reuses them if
+they still hold the very same objects and nothing else; otherwise the
+processor resets them with the tokens it got, which also undoes the
+handler's writes to them. A handler that set a variable of its own leaves
+the context non-empty after that: the processor then takes a fresh empty
+context and yields once, so the next attempt starts clean. Every request,
+with or without contextvars, takes this one path.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import heapq
+import inspect
+import itertools
+import logging
+import math
+import threading
+import types
+from bisect import bisect_left as _bucket
+from collections.abc import Callable, Generator, Hashable
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, Generic
+
+import trio
+
+from . import _lowlevel
+from ._core import (
+    _EMPTY_CONTEXT,
+    _MISSING,
+    _QUEUED,
+    _RUNNING,
+    _SCHEDULED,
+    _SUCCEEDED,
+    _UNBOUNDED,
+    Handler,
+    _Context,
+    _get_ident,
+    _run_in,
+    logger,
+)
+from ._current import ATTEMPTS, Attempt
+from ._exceptions import Withdrawn
+from ._parts import IntakePart, OutcomesPart, StoppingPart, StorePart
+from ._statistics import TIME_BUCKETS
+from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
+
+_Coroutine = types.CoroutineType
+_copy_context = contextvars.copy_context
+_new_ticket = object.__new__
+_KEYWORD_ONLY = object()
+
+# A processor that keeps its slot yields to the scheduler after this many
+# requests in a row, even if every handler returned without yielding.
+_CHAIN_BUDGET = 64
+
+# The edges of each bucket of TIME_BUCKETS: (low, high], the last one open.
+_EDGES = tuple(itertools.pairwise((-math.inf, *TIME_BUCKETS, math.inf)))
+
+
+@types.coroutine
+def _iterate(steps: Any) -> Generator[Any, Any, Any]:
+    """The iterator an awaitable's ``__await__`` returned, as a coroutine with send and throw."""
+    return (yield from steps)
+
+
+def _steps_of(awaitable: object) -> Any:
+    """Call ``__await__`` once and return its steps; refuse what is not awaitable."""
+    if (
+        inspect.isgenerator(awaitable)
+        and awaitable.gi_code.co_flags & inspect.CO_ITERABLE_COROUTINE
+    ):
+        return awaitable  # a @types.coroutine generator: awaitable as it is
+    await_ = getattr(type(awaitable), "__await__", None)
+    if await_ is None:
+        raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
+    return _iterate(await_(awaitable))
+
+
+def _holds(context: contextvars.Context, captured: contextvars.Context) -> bool:
+    """Whether the running ``context`` holds exactly ``captured``'s variables and objects.
+
+    Called in ``context``; compares by identity only, never with ``==``.
+    """
+    if len(context) != len(captured):
+        return False
+    for var, value in captured.items():  # noqa: SIM110 - all() would build a generator
+        if var.get(_MISSING) is not value:
+            return False
+    return True
+
+
+def _reset(tokens: list[contextvars.Token[Any]]) -> None:
+    """Undo the variables an attempt set, with the tokens their setting returned.
+
+    A function of its own so that no token (which refers to the context it
+    was made in) stays behind in the processor's frame.
+    """
+    for token in tokens:
+        token.var.reset(token)
+
+
+class _Slot:
+    """The limiter's borrower for one processor start.
+
+    One token per start, named for the request it was started for: the
+    limiter's statistics show which starts hold slots, and the token keeps no
+    request alive. The processor releases on behalf of the same token.
+    """
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return f"<tickler slot started for request #{self.request_id}>"
+
+
+class _Parked:
+    """A processor waiting for a start, and the start once the loop hands it over."""
+
+    __slots__ = ("handed", "task")
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.handed: tuple[Ticket[Any, Any], _Slot] | None = None
+
+
+class _Engine(Generic[RequestT, ResultT]):
+    """The hot state of a service and the path of every request through it.
+
+    Its parts (see the module's docstring) write a few flags that the hot
+    path reads; each flag's writers:
+
+    - ``_admit``, the queue length at which ``enqueue_request`` leaves the
+      fast path: the intake (delays, ``set_admit``) and stopping (a close);
+    - ``_closed``: stopping;
+    - ``_may_start``, whether a processor may start a request: stopping,
+      the supervisor loop, and outcomes (an interrupt that ends the run);
+    - ``_draining``, whether a stop still takes follow-ups: the same;
+    - ``_submitters``, ``submit()`` callers waiting for room: the intake;
+    - ``_retrying``, ``_in_flight``: the engine, outcomes and stopping, as
+      requests move between the heap, the slots and their final states.
+
+    Everything else here is written by the engine alone, or read-only after
+    ``__init__``.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_admit",
+        "_bound",
+        "_capacity",
+        "_closed",
+        "_debug",
+        "_doomed",
+        "_draining",
+        "_foreign_pending",
+        "_handed",
+        "_handler",
+        "_heap",
+        "_heap_seq",
+        "_histograms",
+        "_idle",
+        "_in_flight",
+        "_intake",
+        "_last_context",
+        "_last_id",
+        "_limiter",
+        "_lock",
+        "_may_start",
+        "_nursery",
+        "_offset",
+        "_outcomes",
+        "_peak",
+        "_queue",
+        "_retrying",
+        "_run_counts",
+        "_run_sum",
+        "_signal_rx",
+        "_signal_tx",
+        "_started",
+        "_stopping",
+        "_store_run",
+        "_submitters",
+        "_succeeded",
+        "_thread",
+        "_timeout",
+        "_timer",
+        "_token",
+        "_wait_counts",
+        "_wait_sum",
+        "_wakeup_pending",
+        "max_queue_length",
+        "name",
+    )
+
+    name: str
+    max_queue_length: int | None
+    _handler: Handler[RequestT, ResultT]
+    _timeout: float | None
+    # the parts (set by Service.__init__, right after this class's)
+    _intake: IntakePart
+    _outcomes: OutcomesPart
+    _stopping: StoppingPart
+    _store_run: StorePart | None
+    # the flags parts write (see the class's docstring)
+    _admit: int
+    _closed: bool
+    _may_start: bool
+    _draining: bool
+    _submitters: int
+    # the queue
+    _lock: threading.Lock
+    _queue: collections.deque[Ticket[RequestT, ResultT]]
+    _last_context: tuple[contextvars.Context, tuple[Any, ...], int] | None
+    # the cap, the timer heap and the processors
+    _limiter: trio.CapacityLimiter
+    _capacity: int
+    _heap: list[tuple[float, int, Ticket[RequestT, ResultT]]]
+    _heap_seq: itertools.count[int]
+    _idle: list[_Parked]
+    # Requests handed to a processor that has not started them, by id; and
+    # those of them cancel() took, which the processor ends unstarted.
+    _handed: dict[int, Ticket[RequestT, ResultT]]
+    _doomed: set[Ticket[RequestT, ResultT]]
+    # the counters the hot path keeps (statistics() reads them)
+    _last_id: int  # also the `enqueued` counter
+    _started: int
+    _succeeded: int
+    _peak: int
+    _in_flight: int
+    _retrying: int
+    # the wait and run time histograms: kept or not, counts (see TIME_BUCKETS), sums
+    _histograms: bool
+    _wait_counts: list[int]
+    _wait_sum: float
+    _run_counts: list[int]
+    _run_sum: float
+    # the run
+    _offset: float
+    _timer: Callable[[], float] | None
+    _token: trio.lowlevel.TrioToken | None
+    _bound: trio.lowlevel.TrioToken | None
+    _thread: int | None
+    _nursery: trio.Nursery | None
+    _signal_tx: trio.MemorySendChannel[None] | None
+    _signal_rx: trio.MemoryReceiveChannel[None] | None
+    _wakeup_pending: bool
+    _foreign_pending: bool
+    _debug: bool
+
+    def __init__(
+        self,
+        handler: Handler[RequestT, ResultT],
+        capacity: int,
+        max_queue_length: int | None,
+        timeout: float | None,
+        histograms: bool,
+        name: str,
+        stored: bool,
+    ) -> None:
+        """The hot state, its arguments already checked by Service; the parts come next."""
+        self.name = name
+        self.max_queue_length = max_queue_length
+        self._handler = handler
+        self._timeout = timeout
+        # tuned (bench: enqueue): the queue length at which enqueue_request
+        # refuses: the cap less the delayed requests while the service is
+        # open, 0 once closed or with a store (whose path every enqueue takes),
+        # so one comparison on the hot path covers every refusal.
+        self._admit = max_queue_length if max_queue_length is not None else _UNBOUNDED
+        self._admit = 0 if stored else self._admit
+        self._closed = False
+        self._may_start = True
+        # A drain is under way and still takes follow-ups from handlers.
+        self._draining = False
+        # submit() callers waiting for room in the queue.
+        self._submitters = 0
+        # The queue. A threading.Lock, not a Trio lock: enqueue_request is
+        # also called from threads that are not running Trio.
+        self._lock = threading.Lock()
+        self._queue = collections.deque()
+        # The last context a request was enqueued with: requests enqueued from
+        # one unchanged context share one Context object instead of a copy each.
+        self._last_context = None
+        # The cap. Slots are borrowed on behalf of each start (_Slot), so the
+        # limiter's statistics name the requests in flight.
+        self._limiter = trio.CapacityLimiter(capacity)
+        self._capacity = capacity  # mirrors the limiter's total, for the hot path
+        # Retries and due delayed requests wait here, ordered by due time, held
+        # by the loop's thread: a retry never needs a queue place, so a full
+        # queue cannot block it.
+        self._heap = []
+        self._heap_seq = itertools.count()
+        # Processors with nothing to do, parked until the loop hands them a start.
+        self._idle = []
+        self._handed = {}
+        self._doomed = set()
+        self._last_id = 0
+        self._started = 0
+        self._succeeded = 0
+        self._peak = 0
+        self._in_flight = 0
+        self._retrying = 0
+        self._histograms = histograms
+        self._wait_counts = [0] * (len(TIME_BUCKETS) + 1)
+        self._wait_sum = 0.0
+        self._run_counts = [0] * (len(TIME_BUCKETS) + 1)
+        self._run_sum = 0.0
+        # Set when run starts: the Trio clock, read as `_offset + _timer()`
+        # (see _lowlevel.clock_offset), and the token that also tells whether
+        # the service has ever run.
+        self._offset = 0.0
+        self._timer = None
+        self._token = None
+        # Before the run: the run that waited on the service (see _bind).
+        self._bound = None
+        self._thread = None
+        self._nursery = None
+        self._signal_tx = None
+        self._signal_rx = None
+        self._wakeup_pending = False
+        self._foreign_pending = False
+        self._debug = logger.isEnabledFor(logging.DEBUG)
+
+    def _tickle(self) -> None:
+        """Wake the supervisor loop. Trio thread only.
+
+        The channel has one slot: a full slot means a wake-up is already
+        pending, and the loop will see everything that happened before it
+        runs, so any number of tickles between two wake-ups cost one wake-up.
+        """
+        tx = self._signal_tx
+        if tx is None or self._wakeup_pending:
+            return
+        self._wakeup_pending = True
+        # tuned (bench: trickle): no suppress(), which adds a context manager to every tickle
+        try:  # noqa: SIM105
+            tx.send_nowait(None)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass  # a wake-up is already pending, or the loop has ended
+
+    def _wake_from_thread(self) -> None:
+        # Called with the lock held, from a thread that is not running the
+        # service. One callback in flight at a time is enough: it runs after
+        # everything queued before it.
+        token = self._token
+        if token is None or self._foreign_pending:
+            return
+        self._foreign_pending = True
+        try:
+            token.run_sync_soon(self._tickle_from_thread)
+        except trio.RunFinishedError:
+            self._foreign_pending = False
+
+    def _tickle_from_thread(self) -> None:
+        with self._lock:
+            self._foreign_pending = False
+        self._tickle()
+
+    def _time(self) -> float | None:
+        """The Trio clock's time, or None before the service has run."""
+        timer = self._timer
+        return self._offset + timer() if timer is not None else None
+
+    def _check_run(self, what: str) -> trio.lowlevel.TrioToken | None:
+        """The service's run's token, after checking the caller runs there too.
+
+        Before the run, the run that first waited on the service stands in for it.
+        """
+        token = self._token
+        run = token if token is not None else self._bound
+        if run is not None and run is not trio.lowlevel.current_trio_token():
+            raise RuntimeError(f"service {self.name!r} must be {what} from the Trio run running it")
+        return token
+
+    def _bind(self) -> None:
+        """Before the run, tie the service to the caller's run, which is about to wait on it.
+
+        What it waits on (the room for submit, the idle event for join) can
+        be woken only from its own run: the service must then run there.
+        """
+        if self._token is None and self._bound is None:
+            self._bound = trio.lowlevel.current_trio_token()
+
+    def _insider(self) -> trio.lowlevel.Task | None:
+        """The processor whose handler (or a task it spawned) is the current task, if any."""
+        nursery = self._nursery
+        task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
+        while task is not None:
+            parent = task.parent_nursery
+            if parent is None:
+                return None
+            if parent is nursery:
+                return task
+            task = parent.parent_task
+        return None
+
+    def _is_follow_up(self) -> bool:
+        """Whether the caller is one of this service's handlers (or a task it spawned)."""
+        try:
+            return self._insider() is not None
+        except RuntimeError:  # not in a Trio task: another thread
+            return False
+
+    # A KeyboardInterrupt never lands halfway through the bookkeeping of the
+    # methods marked so (Trio delivers it at the next unprotected point).
+    #
+    # tuned (bench: enqueue): key and delay are keyword-only, but the code does not declare them so:
+    # CPython 3.11 does not specialize calls to functions with keyword-only
+    # parameters, which costs about 5% of an enqueue. A guard parameter
+    # refuses them by position instead; type checkers see the declared
+    # signature (below the method), and so does inspect.signature.
+    @trio.lowlevel.enable_ki_protection
+    def _enqueue_request(
+        self,
+        request: RequestT,
+        _keyword_only: object = _KEYWORD_ONLY,
+        key: Hashable | None = None,
+        delay: float | None = None,
+    ) -> Ticket[RequestT, ResultT]:
+        # (The docstring is _ENQUEUE_REQUEST_DOC, below the class.)
+        if key is not None or delay is not None or _keyword_only is not _KEYWORD_ONLY:
+            if _keyword_only is not _KEYWORD_ONLY:
+                raise TypeError(
+                    "enqueue_request() takes one positional argument, the request;"
+                    " key and delay are keyword-only"
+                )
+            return self._intake.enqueue_keyed(request, key, delay)
+        # (Everything below is the hot path. Intake.enqueue_keyed is its twin for
+        # keys and delays; _capture_context, the part on contextvars.)
+        # tuned (bench: burst, a contextvar set; enqueue): the context is
+        # shared with the last request's when it holds the very same objects;
+        # twin: _capture_context.
+        context = _copy_context()
+        if not context:
+            # One shared empty Context serves every request enqueued without
+            # contextvars: no per-request Context to keep or to collect.
+            context = _EMPTY_CONTEXT
+        else:
+            last = self._last_context
+            shared = last is not None and last[2] == len(context)
+            if shared:
+                # The same variables holding the very same objects: share the
+                # earlier Context. Values are compared by identity only, never
+                # with ==, which may run user code and calls equal values alike.
+                # (The processor's twin is _holds; here the check is inlined
+                # over a cached tuple of items, the cheaper form per enqueue.)
+                try:
+                    for var, value in last[1]:  # type: ignore[index]
+                        if context[var] is not value:
+                            shared = False
+                            break
+                except KeyError:
+                    shared = False
+            if shared:
+                context = last[0]  # type: ignore[index]
+            else:
+                self._last_context = (context, tuple(context.items()), len(context))
+        timer = self._timer
+        # tuned (bench: enqueue): the ticket is built field by field, outside the lock: Ticket's own
+        # __init__ (its twin) costs about 40 ns more per call. Its id is given
+        # under the lock.
+        ticket = _new_ticket(Ticket)
+        ticket.request = request
+        ticket.status = _QUEUED
+        ticket.attempts = 0
+        ticket.enqueued_at = self._offset + timer() if timer is not None else None
+        ticket.started_at = None
+        ticket._state = context
+        lock = self._lock
+        # tuned (bench: enqueue): acquire/release rather than `with`: the context-manager protocol
+        # costs about as much again as the lock itself on this path.
+        lock.acquire()
+        try:
+            queue = self._queue
+            length = len(queue)
+            if length >= self._admit:
+                if self._store_run is not None:
+                    # A service with a store: _admit is always 0, so that the
+                    # in-memory hot path pays nothing for the store's path.
+                    lock.release()
+                    try:
+                        return self._store_run.accept(request, None, None, ticket)
+                    finally:
+                        lock.acquire()
+                # Refused, unless it is a follow-up from one of the service's
+                # own handlers during a drain, with room in the queue. Only
+                # this slow path asks which.
+                self._intake.refuse(length)
+            if timer is None:
+                ticket.enqueued_at = self._time()  # the run may have started meanwhile
+            self._last_id = ticket.id = ticket_id = self._last_id + 1
+            queue.append(ticket)
+            if not self._wakeup_pending:
+                # (When a wake-up is pending, the loop has yet to take the
+                # lock and will find this request.)
+                if self._thread == _get_ident():
+                    self._tickle()
+                else:
+                    self._wake_from_thread()
+        finally:
+            lock.release()
+        if self._debug:
+            logger.debug("request #%d added, queue length now %d", ticket_id, length + 1)
+        return ticket
+
+    if TYPE_CHECKING:
+
+        def enqueue_request(
+            self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
+        ) -> Ticket[RequestT, ResultT]:
+            """The declared signature."""
+            ...
+
+    else:
+        enqueue_request = _enqueue_request
+
+    def _capture_context(self) -> contextvars.Context:
+        """The caller's context for a new request, shared with the last one if unchanged.
+
+        The twin of the code at the start of enqueue_request, which inlines it.
+        """
+        context = _copy_context()
+        if not context:
+            return _EMPTY_CONTEXT
+        last = self._last_context
+        if last is not None and last[2] == len(context):
+            try:
+                if all(context[var] is value for var, value in last[1]):
+                    return last[0]
+            except KeyError:
+                pass
+        self._last_context = (context, tuple(context.items()), len(context))
+        return context
+
+    @trio.lowlevel.enable_ki_protection
+    def _take(self, now: float) -> Ticket[RequestT, ResultT] | None:
+        """Take the next request to start: a due retry or delayed one, else the oldest queued."""
+        heap = self._heap
+        if heap and heap[0][0] <= now:
+            ticket = heapq.heappop(heap)[2]
+            if ticket.status is _SCHEDULED:
+                self._intake.unschedule()
+            else:
+                self._retrying -= 1
+        else:
+            queue = self._queue
+            if not queue:
+                return None
+            # Only this thread pops, so the queue cannot empty meanwhile.
+            lock = self._lock
+            lock.acquire()
+            try:
+                # Between pops the queue only grows, so its peak is reached
+                # just before a pop: recording it here keeps enqueue lean.
+                length = len(queue)
+                if length > self._peak:
+                    self._peak = length
+                ticket = queue.popleft()
+            finally:
+                lock.release()
+            if self._submitters:
+                self._intake.room.unpark()
+        self._in_flight += 1
+        if self._debug:
+            self._log_dequeued(ticket)
+        return ticket
+
+    def _log_dequeued(self, ticket: Ticket[RequestT, ResultT]) -> None:
+        state = ticket._state
+        captured = state if type(state) is _Context else state.context
+        _run_in(captured, logger.debug, "request #%d dequeued", ticket.id)
+
+    def _dispatch(self) -> float:
+        """Start a processor into every free slot, due retries first; return the time used."""
+        if not self._may_start:
+            return -math.inf
+        limiter = self._limiter
+        nursery = self._nursery
+        assert nursery is not None
+        timer = self._timer
+        assert timer is not None
+        now = self._offset + timer()
+        process = self._process_withdrawable
+        while limiter.borrowed_tokens < limiter.total_tokens:
+            ticket = self._take(now)
+            if ticket is None:
+                return now
+            slot = _Slot(ticket.id)
+            # Handed to a processor that has yet to start it: cancel() finds it here.
+            self._handed[ticket.id] = ticket
+            limiter.acquire_on_behalf_of_nowait(slot)
+            if self._idle:
+                # A parked processor takes the start: no task spawn.
+                parked = self._idle.pop()
+                parked.handed = (ticket, slot)
+                trio.lowlevel.reschedule(parked.task)
+            else:
+                # Processors start in an empty context of their own.
+                _EMPTY_CONTEXT.copy().run(nursery.start_soon, process, ticket, slot)
+            if self._debug:
+                logger.debug("replenished: now %d/%d slots in use", self._in_flight, self._capacity)
+        if self._debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
+            logger.debug(
+                "received loop signal, but request limit is reached"
+                " (%d/%d slots in use, %d queued)",
+                self._in_flight,
+                self._capacity,
+                len(self._queue),
+            )
+        return now
+
+    async def _process_withdrawable(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
+        """A processor with one cancel scope for all its attempts.
+
+        A running attempt is taken away by cancelling this scope: by
+        ``cancel()``, which finds it through the processor's ``Attempt``;
+        and with a store by the loop (a cancel from any process, a lost
+        lease, a stop), which the store side was told of
+        (``StorePart.attempt_started``). The processor records the attempt
+        and ends; the loop starts another if work waits. One scope per processor rather
+        than one per attempt keeps the cost of a scope off each request
+        (the burst rows).
+        """
+        # Handed over in a list that _process empties: this frame, which lives
+        # as long as the processor, keeps no request alive.
+        start: list[Any] = [ticket, slot]
+        del ticket, slot
+        with trio.CancelScope() as withdrawable:
+            await self._process(start, withdrawable)
+
+    async def _scoped(
+        self,
+        ticket: Ticket[RequestT, ResultT],
+        awaitable: Any,
+        now: float,
+        withdrawable: trio.CancelScope,
+    ) -> Any:
+        """Await an attempt under its timeout, where the store's loop may also take it away.
+
+        With a store and no timeout, the loop takes the attempt away through
+        the processor's scope (Cancelled, in the caller); with a timeout,
+        through the attempt's own scope (a cancel, a lost lease, a stop):
+        then Withdrawn. A timeout is one more failure: TimeoutError.
+        """
+        stored = self._store_run
+        timeout = self._timeout
+        if timeout is None:
+            assert stored is not None
+            stored.attempt_started(ticket.id, withdrawable)
+            try:
+                return await awaitable
+            finally:
+                stored.attempt_ended(ticket.id)
+        scope = trio.CancelScope(deadline=now + timeout)
+        if stored is not None:
+            stored.attempt_started(ticket.id, scope)
+        result: Any = None
+        try:
+            with scope:
+                result = await awaitable
+        finally:
+            if stored is not None:
+                stored.attempt_ended(ticket.id)
+        if scope.cancelled_caught:
+            reason = stored.withdrawn_reason(ticket.id) if stored is not None else None
+            if reason is not None:
+                raise Withdrawn(reason)
+            raise TimeoutError(f"attempt timed out after {timeout:g} seconds")
+        return result
+
+    def _not_started(
+        self, ticket: Ticket[RequestT, ResultT], withdrawable: trio.CancelScope, now: float
+    ) -> None:
+        """A request a processor took ends before it starts; the processor then parks or ends."""
+        self._in_flight -= 1
+        if ticket in self._doomed:
+            # cancel() took it before it started.
+            self._doomed.discard(ticket)
+            self._outcomes.finish_cancelled(ticket, now)
+        elif self._withdrawn_only(withdrawable):
+            # cancel() took this processor's last attempt away: the request
+            # taken next goes back, and the processor ends (its scope is cancelled).
+            self._intake.put_back(ticket, now)
+        else:
+            # A stop without drain, a crash or a cancellation came between
+            # taking this request and starting it.
+            self._may_start = False
+            self._outcomes.cancel(ticket, now)
+
+    def _withdrawn_only(self, withdrawable: trio.CancelScope | None) -> bool:
+        """Whether only cancel() cancelled this processor, not a stop or a crash (in memory)."""
+        nursery = self._nursery
+        return (
+            self._may_start
+            and self._store_run is None
+            and withdrawable is not None
+            and withdrawable.cancel_called
+            and nursery is not None
+            and not nursery.cancel_scope.cancel_called
+        )
+
+    async def _process(self, start: list[Any], withdrawable: trio.CancelScope) -> None:
+        """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
+
+        Keeping the slot saves a task spawn per request (the burst rows). With
+        nothing left to take, the processor gives its slot back and parks until
+        the supervisor, which owns every start into a free slot, hands it the
+        next one. How an attempt gets its enqueuer's context: see the module's
+        docstring. The rare branches are the helpers named in it.
+        """
+        ticket: Ticket[RequestT, ResultT]
+        slot: _Slot
+        ticket, slot = start
+        start.clear()
+        timer = self._timer
+        assert timer is not None
+        offset = self._offset
+        handler = self._handler
+        timeout = self._timeout
+        heap = self._heap
+        queue = self._queue
+        lock = self._lock
+        task = trio.lowlevel.current_task()
+        stored = self._store_run  # None for the in-memory engine
+        outcomes = self._outcomes
+        key_of = self._intake.key_of  # keys of live keyed requests (the dict itself)
+        # tuned (bench: burst, histograms=True): the histograms' counts, and for each the bucket of
+        # the last duration counted with its edges: durations come in runs that share a bucket, and
+        # two comparisons cost less than a search.
+        timed = self._histograms
+        wait_counts = self._wait_counts
+        run_counts = self._run_counts
+        wait_bucket = run_bucket = 0
+        wait_low = wait_high = run_low = run_high = math.nan
+        # What current_service() and current_ticket() find for this task and
+        # the tasks its handlers spawn.
+        attempt = ATTEMPTS[task] = Attempt(self, withdrawable)
+        # tuned (bench: burst): whether this task is cancelled, one attribute per start: see
+        # _lowlevel.
+        cancel_status = _lowlevel.cancel_status(task)
+        # Requests cancel() took after a processor was handed them, before
+        # they started (an alias: the set itself is the service's).
+        doomed = self._doomed
+        self._handed.pop(ticket.id, None)
+        ended = False
+        try:
+            # The enqueuer's context whose variables this task's context holds
+            # now, with the variables and values set and the tokens to undo them.
+            held: contextvars.Context | None = None
+            held_tokens: list[contextvars.Token[Any]] = []
+            now = offset + timer()
+            chained = 0
+            while True:  # one slot after another
+                try:
+                    while True:
+                        state = ticket._state
+                        captured = state if type(state) is _Context else state.context
+                        context = task.context  # the context this step runs in
+                        if held is not None and (
+                            captured is not held or not _holds(context, captured)
+                        ):
+                            # Another enqueuer's request, or the last handler
+                            # changed its enqueuer's variables: undo them.
+                            _reset(held_tokens)
+                            held = held_tokens = None  # type: ignore[assignment]
+                        if held is None:
+                            if context:
+                                # The last handler set variables of its own.
+                                if not await self._fresh_context(task, ticket):
+                                    break
+                                context = task.context
+                                now = offset + timer()
+                            if captured:
+                                held_tokens = [var.set(value) for var, value in captured.items()]
+                                held = captured
+                        if (
+                            not self._may_start
+                            or cancel_status.effectively_cancelled
+                            or (doomed and ticket in doomed)
+                        ):
+                            self._not_started(ticket, withdrawable, offset + timer())
+                            break
+                        ticket.status = _RUNNING
+                        attempt.ticket = ticket
+                        ticket.attempts += 1
+                        # Read afresh: a hook or another thread may have enqueued
+                        # this request after the last reading.
+                        ticket.started_at = now = offset + timer()
+                        if timed and ticket.attempts == 1:
+                            waited = now - ticket.enqueued_at  # type: ignore[operator]
+                            if not wait_low < waited <= wait_high:
+                                wait_bucket = _bucket(TIME_BUCKETS, waited)
+                                wait_low, wait_high = _EDGES[wait_bucket]
+                            wait_counts[wait_bucket] += 1
+                            self._wait_sum += waited
+                        self._started += 1
+                        if self._debug:
+                            _run_in(context, logger.debug, "processing request #%d (attempt %d)",
+                                    ticket.id, ticket.attempts)  # fmt: skip
+                        try:
+                            awaitable = handler(ticket.request)
+                            if type(awaitable) is not _Coroutine:
+                                awaitable = _steps_of(awaitable)
+                            if timeout is None and stored is None:
+                                result = await awaitable
+                            else:
+                                # A deadline, or a store that may take it away.
+                                result = await self._scoped(ticket, awaitable, now, withdrawable)
+                        except Exception as exc:
+                            outcomes.attempt_failed(ticket, exc, offset + timer(), context)
+                            if withdrawable.cancel_called:
+                                await trio.lowlevel.checkpoint()  # taken away: this ends
+                        except BaseException as exc:
+                            # Cancelled, KeyboardInterrupt and the like: record the
+                            # request's final state, and let the exception go on.
+                            raise outcomes.aborted(ticket, exc, context)  # noqa: B904
+                        else:
+                            now = offset + timer()
+                            self._in_flight -= 1
+                            if timed:
+                                ran = now - ticket.started_at
+                                if not run_low < ran <= run_high:
+                                    run_bucket = _bucket(TIME_BUCKETS, ran)
+                                    run_low, run_high = _EDGES[run_bucket]
+                                run_counts[run_bucket] += 1
+                                self._run_sum += ran
+                            if stored is None:
+                                self._succeeded += 1
+                                if key_of:
+                                    self._intake.release_key(ticket)
+                                state = ticket._state  # a waiter may have wrapped it meanwhile
+                                ticket._state = (now, result)
+                                ticket.status = _SUCCEEDED
+                                if type(state) is Waiting:
+                                    self._wake(state)
+                            elif stored.record_success(ticket, result, context):
+                                # Taken away as it returned: the store decides what
+                                # holds, and Cancelled from here ends the processor.
+                                await trio.lowlevel.checkpoint()
+                            result = None
+                        # Final: keep nothing of it while choosing the next.
+                        state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
+                        chained += 1
+                        if chained == _CHAIN_BUDGET:
+                            # Handlers that never yield must not starve other tasks.
+                            chained = 0
+                            await trio.lowlevel.cancel_shielded_checkpoint()
+                            now = offset + timer()
+                        if (
+                            not self._may_start
+                            or self._in_flight >= self._capacity
+                            or cancel_status.effectively_cancelled
+                        ):
+                            # (Cancelled: by cancel(), a stop or a crash; the
+                            # processor takes nothing more, and ends.)
+                            break
+                        if heap and heap[0][0] <= now:
+                            following = self._take(now)
+                            assert following is not None
+                            ticket = following
+                            following = None
+                        elif queue:
+                            # tuned (bench: burst): the common case of _take, inlined (twin:
+                            # _take); calling _take (and _finish above) here cost about 2% of burst
+                            # throughput.
+                            lock.acquire()
+                            try:
+                                length = len(queue)
+                                if length > self._peak:
+                                    self._peak = length
+                                ticket = queue.popleft()
+                            finally:
+                                lock.release()
+                            if self._submitters:
+                                self._intake.room.unpark()
+                            self._in_flight += 1
+                            if self._debug:
+                                self._log_dequeued(ticket)
+                        else:
+                            break
+                finally:
+                    # A parked processor keeps no request (or context) alive.
+                    attempt.ticket = None
+                    if held is not None:
+                        _reset(held_tokens)
+                        held = held_tokens = None  # type: ignore[assignment]
+                    if task.context and not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
+                        ended = True  # a new task starts the next request
+                    # A completion that frees a slot tickles the loop.
+                    self._limiter.release_on_behalf_of(slot)
+                    self._tickle()
+                    if self._debug:
+                        self._log_slot_freed()
+                if ended:
+                    return
+                handed = await self._park()
+                if handed is None:
+                    return
+                ticket, slot = handed
+                handed = None
+                self._handed.pop(ticket.id, None)
+                now = offset + timer()
+                chained = 0
+        finally:
+            del ATTEMPTS[task]
+
+    async def _fresh_context(
+        self, task: trio.lowlevel.Task, ticket: Ticket[RequestT, ResultT]
+    ) -> bool:
+        """Give the task a fresh empty context before ``ticket`` starts; False: it cannot.
+
+        The last handler's own variables must not reach this attempt, which
+        starts in the fresh context once this step has ended. Where Trio does
+        not let the context be replaced, the request goes back to a new task,
+        and this processor ends.
+        """
+        if not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
+            self._in_flight -= 1
+            now = self._time()
+            assert now is not None
+            self._intake.put_back(ticket, now)
+            return False
+        # Taken, not started, across a checkpoint: cancel() finds it here meanwhile.
+        self._handed[ticket.id] = ticket
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        self._handed.pop(ticket.id, None)
+        return True
+
+    def _log_slot_freed(self) -> None:
+        # Not a line for any one request: no request's context.
+        _run_in(
+            _EMPTY_CONTEXT,
+            logger.debug,
+            "slot freed: now %d/%d slots in use",
+            self._in_flight,
+            self._capacity,
+        )
+
+    async def _park(self) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
+        """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
+
+        At most `capacity` processors wait; the others exit at once.
+        """
+        idle = self._idle
+        if not self._may_start or self._stopping.stop_called or len(idle) >= self._capacity:
+            return None
+        parked = _Parked(trio.lowlevel.current_task())
+        idle.append(parked)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            idle.remove(parked)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return parked.handed
+
+    @trio.lowlevel.enable_ki_protection
+    def _wake(self, waiting: Waiting | None) -> None:
+        """Wake the waiters of a ticket that just became final."""
+        # Before the service ran, only a stop finishes tickets, in its caller's run.
+        token = self._token or trio.lowlevel.current_trio_token()
+        while waiting is not None:
+            if waiting.token is token:
+                waiting.event.set()
+            else:
+                # Waiters in another Trio run: wake them there, where wait()
+                # raises its error. Setting their event from here would break
+                # this run.
+                waiting.foreign = True
+                with suppress(trio.RunFinishedError):
+                    waiting.token.run_sync_soon(waiting.event.set)
+            waiting = waiting.following
+
+    @trio.lowlevel.enable_ki_protection
+    def _finish(
+        self, ticket: Ticket[RequestT, ResultT], status: Status, final: tuple[Any, ...]
+    ) -> None:
+        """Make ``ticket`` final: ``final`` is its state, starting with finished_at."""
+        if self._intake.key_of:
+            self._intake.release_key(ticket)
+        state = ticket._state
+        ticket._state = final
+        ticket.status = status
+        if type(state) is Waiting:
+            self._wake(state)
+
+
+_ENQUEUE_REQUEST_DOC = """Queue ``request`` for the handler and return its :class:`Ticket`.
+
+Never blocks and costs O(1). Safe to call from the Trio thread, from
+any other thread, and before :meth:`run` starts. The handler will run
+with a copy of the caller's contextvars.
+
+Args:
+    key: any hashable, or None. While a request enqueued with an
+        equal key is not final, enqueueing the key again creates
+        nothing and returns that request's ticket.
+    delay: seconds (>= 0) before the request may start, or None.
+        Until then it is SCHEDULED: it waits in the loop's timer,
+        holds no slot, and counts against ``max_queue_length``.
+
+Raises:
+    QueueFull: ``max_queue_length`` requests are already queued or
+        scheduled.
+    ServiceClosed: a stop has begun or the run has ended.
+    TypeError, ValueError: ``key`` is not hashable, or ``delay`` is
+        not a finite number >= 0.
+"""
+_Engine.enqueue_request.__doc__ = _ENQUEUE_REQUEST_DOC
+_Engine.enqueue_request.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("key", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("delay", inspect.Parameter.KEYWORD_ONLY, default=None),
+    ]
+)

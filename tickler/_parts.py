@@ -1,0 +1,177 @@
+"""What the engine and its parts ask of each other: one protocol per part.
+
+The engine (``_engine._Engine``) holds its parts as fields, as trio's
+``Runner`` holds its ``entry_queue``, ``deadlines`` and ``io_manager``:
+:class:`IntakePart`, :class:`OutcomesPart`, :class:`StoppingPart`, and with a
+store :class:`StorePart`. It never imports them: it names them here, by what
+it calls, and ``Service.__init__`` hands it the real ones (``_intake``,
+``_outcomes``, ``_stopping``, ``_stores._sync``), which mypy checks against
+these protocols. A part reaches another through the engine's field, typed
+here too; so no module of tickler imports one that imports it back.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+import trio
+
+from ._retry import Retry
+from ._stores._seam import Session, Store
+from ._ticket import Ticket
+
+
+class IntakePart(Protocol):
+    """The cold ways in: keys, delays, ``submit``, refusals; and where a request goes back."""
+
+    keys: dict[object, Ticket[Any, Any]]
+    key_of: dict[Ticket[Any, Any], object]
+    incoming: list[tuple[float, Ticket[Any, Any]]]
+    scheduled: int
+    room: trio.lowlevel.ParkingLot
+    rejected: int
+    deduplicated: int
+
+    def enqueue_keyed(
+        self, request: Any, key: Hashable | None, delay: float | None, *, waits: bool = False
+    ) -> Ticket[Any, Any]: ...
+
+    def check_open(self) -> None: ...
+
+    async def submit(
+        self, request: Any, *, key: Hashable | None = None, delay: float | None = None
+    ) -> Ticket[Any, Any]: ...
+
+    def refuse(self, length: int) -> None:
+        """Raise why the hot path may not take a request: closed, or full."""
+        ...
+
+    def set_admit(self) -> None: ...
+
+    def schedule_incoming(self) -> None: ...
+
+    def unschedule(self) -> None: ...
+
+    def release_key(self, ticket: Ticket[Any, Any]) -> None: ...
+
+    def put_back(self, ticket: Ticket[Any, Any], now: float) -> None: ...
+
+
+class OutcomesPart(Protocol):
+    """What ends an attempt, or a request, off the fast path."""
+
+    retry: Retry | None
+    failed: int
+    cancelled: int
+    retried: int
+
+    async def cancel_in_memory(self, id_or_key: int | Hashable) -> bool: ...
+
+    def attempt_failed(
+        self,
+        ticket: Ticket[Any, Any],
+        exc: Exception,
+        now: float,
+        context: contextvars.Context,
+    ) -> None: ...
+
+    def aborted(
+        self, ticket: Ticket[Any, Any], exc: BaseException, context: contextvars.Context
+    ) -> BaseException: ...
+
+    def fail(
+        self,
+        ticket: Ticket[Any, Any],
+        exc: BaseException,
+        tb: types.TracebackType | None,
+        now: float | None,
+    ) -> None: ...
+
+    def cancel(
+        self, ticket: Ticket[Any, Any], now: float | None, *, stopped: bool = True
+    ) -> None: ...
+
+    def finish_cancelled(
+        self, ticket: Ticket[Any, Any], now: float | None, *, frees_room: bool = False
+    ) -> None: ...
+
+    def log_retry(
+        self,
+        ticket: Ticket[Any, Any],
+        exc: Exception,
+        delay: float,
+        context: contextvars.Context,
+    ) -> None: ...
+
+    def call_on_error(
+        self, ticket: Ticket[Any, Any], exc: Exception, context: contextvars.Context
+    ) -> None: ...
+
+
+class StoppingPart(Protocol):
+    """Stopping and joining: what the others read of a stop."""
+
+    event: trio.Event
+    stop_called: bool
+    stop_deadline: float
+    finished: trio.Event
+    stopped_tickets: list[Ticket[Any, Any]]
+
+    def expire(self) -> None: ...
+
+    async def stop(
+        self, *, drain: bool = True, timeout: float | None = None
+    ) -> list[Ticket[Any, Any]]: ...
+
+    async def join(self) -> None: ...
+
+
+class StorePart(Protocol):
+    """The store side, as the engine and the parts below it use it."""
+
+    store: Store
+    connection: Session | None
+    pending: list[Any]
+    committed: trio.Event
+    errors: int
+
+    async def cancel(self, id_or_key: object) -> bool: ...
+
+    async def lookup(self, id_or_key: object) -> Ticket[Any, Any] | None: ...
+
+    async def statistics(self) -> dict[str, int]: ...
+
+    def accept(
+        self,
+        request: Any,
+        key: Hashable | None,
+        delay: float | None,
+        ticket: Ticket[Any, Any] | None,
+        *,
+        waits: bool = False,
+    ) -> Ticket[Any, Any]: ...
+
+    def attempt_started(self, request_id: int, scope: trio.CancelScope) -> None: ...
+
+    def attempt_ended(self, request_id: int) -> None: ...
+
+    def withdrawn_reason(self, request_id: int) -> str | None:
+        """Why the loop took the attempt away, once (then forgotten); None if it did not."""
+        ...
+
+    def record(self, kind: str, ticket: Ticket[Any, Any], values: tuple[Any, ...]) -> None: ...
+
+    def record_success(
+        self, ticket: Ticket[Any, Any], result: Any, context: contextvars.Context
+    ) -> bool: ...
+
+    def record_failure(
+        self,
+        ticket: Ticket[Any, Any],
+        exc: Exception,
+        tb: types.TracebackType | None,
+        context: contextvars.Context,
+    ) -> None: ...

@@ -1,0 +1,164 @@
+"""The supervisor: the run of a service, and its one loop.
+
+``run`` opens the store (if any), starts the nursery the processors run in,
+and runs :meth:`Supervisor.supervise` until a stop is done; whatever ends
+the run, it then commits what was accepted and hands back what was claimed.
+Each turn of the loop exchanges one batch with the store if there is one,
+dispatches into the free slots, checks the stop, and sleeps on the one-slot
+signal until tickled or until the next due time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from . import _lowlevel
+from ._core import _get_ident, logger, wall_clock
+from ._engine import _Engine
+from ._exceptions import ServiceClosed
+from ._intake import Intake
+from ._stopping import Stopping
+from ._stores._sync import StoreSync
+
+
+@attrs.define(eq=False)
+class Supervisor:
+    """The run and its loop; counts the loop's wake-ups."""
+
+    engine: _Engine[Any, Any]
+    intake: Intake
+    stopping: Stopping
+    sync: StoreSync | None
+    wakeups: int = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Service.run (see its docstring): open the store, then the loop, until a stop."""
+        engine, intake, stopping = self.engine, self.intake, self.stopping
+        if stopping.stop_called and engine._token is None:
+            raise ServiceClosed(f"service {engine.name!r} was stopped before it ran")
+        if engine._token is not None:
+            raise RuntimeError(f"service {engine.name!r} has already run")
+        if engine._bound is not None and engine._bound is not trio.lowlevel.current_trio_token():
+            raise RuntimeError(
+                f"service {engine.name!r} was waited on from another Trio run before it ran;"
+                " run it in that one"
+            )
+        stored = self.sync
+        if stored is not None:
+            # Open and check the store before anything starts: a bad file
+            # raises StoreError from here, with nothing written.
+            stored.connection = await trio.to_thread.run_sync(stored.store.connect)
+            stored.finals_since = wall_clock()
+        engine._signal_tx, engine._signal_rx = trio.open_memory_channel[None](1)
+        clock = trio.lowlevel.current_clock()
+        now = clock.current_time()
+        with engine._lock:
+            engine._token = trio.lowlevel.current_trio_token()
+            engine._thread = _get_ident()
+            # The offset first: a thread that sees the timer sees its offset.
+            engine._timer, engine._offset = None, _lowlevel.clock_offset(clock)
+            engine._timer = time.perf_counter if engine._offset else clock.current_time
+            for ticket in engine._queue:
+                ticket.enqueued_at = now
+            for _, ticket in intake.incoming:
+                ticket.enqueued_at = now
+            if stored is not None:
+                for pending in stored.pending:
+                    pending[6].enqueued_at = now
+        try:
+            async with trio.open_nursery() as nursery:
+                engine._nursery = nursery
+                task_status.started()
+                listener_scope = trio.CancelScope()
+                if stored is not None:
+                    listening = stored.store.listener(engine.name)
+                    if listening is not None:
+                        nursery.start_soon(stored.listen, listening, listener_scope)
+                await self.supervise(stored)
+                listener_scope.cancel()
+        finally:
+            if stored is not None:
+                # Whatever ended the run, commit what was accepted and hand
+                # back what was claimed: a stop never loses a request.
+                stopping.close()
+                engine._may_start = False
+                stopping.cancel_waiting(engine._time())
+                await stored.final_flush()
+            stopping.wind_down(engine._time())
+
+    async def supervise(self, stored: StoreSync | None) -> None:
+        """The one supervisor loop: exchange a batch with the store, dispatch, check a stop, sleep.
+
+        It sleeps on the one-slot signal until tickled (an enqueue, an attempt
+        that ended), until the next retry or delayed request falls due, until
+        the stop's deadline, and with a store until its next look or the next
+        row falling due. The in-memory engine has no batch to exchange.
+        """
+        engine, intake, stopping = self.engine, self.intake, self.stopping
+        assert engine._signal_rx is not None
+        receive = engine._signal_rx.receive
+        heap = engine._heap
+        try:
+            while True:
+                if intake.incoming:
+                    intake.schedule_incoming()
+                looked = False
+                if stored is not None:
+                    exchanged = await stored.exchange()
+                    if exchanged is None:
+                        continue  # the batch failed, and the loop backed off
+                    looked = exchanged
+                dispatched_at = engine._dispatch()
+                if stopping.stop_called:
+                    if stopping.drained(stored):
+                        stopping.release_idle()
+                        return
+                    now = engine._time()
+                    assert now is not None
+                    if now >= stopping.stop_deadline:
+                        stopping.expire()
+                    elif stopping.insiders:
+                        stopping.check_quiet()
+                if not engine._queue:
+                    # Nothing waits: keep no enqueuer's context alive for sharing.
+                    engine._last_context = None
+                # (With a store, join() also waits for a fresh look.)
+                if stopping.idle_event is not None and (looked or stopping.is_idle()):
+                    stopping.idle_event.set()
+                    stopping.idle_event = None
+                # What was due when _dispatch looked and did not start waits
+                # for a slot, and a completion will tickle: only what falls
+                # due after that instant needs the timer. (Compared with that
+                # very instant: a later reading would miss a request that
+                # fell due in between.)
+                wake_at = stopping.stop_deadline
+                if heap and engine._may_start and heap[0][0] > dispatched_at:
+                    wake_at = min(wake_at, heap[0][0])
+                if stored is not None:
+                    wake_at = min(wake_at, stored.next_look())
+                await self.sleep(receive, wake_at)
+        except BaseException:
+            # Cancelled with the run, or the run is ending: from this instant
+            # no processor starts another request.
+            engine._may_start = engine._draining = False
+            raise
+
+    async def sleep(self, receive: Callable[[], Awaitable[None]], wake_at: float) -> None:
+        """Sleep until tickled through the one-slot channel, or until ``wake_at``."""
+        engine = self.engine
+        if wake_at < math.inf:
+            with trio.move_on_at(wake_at):
+                await receive()
+                engine._wakeup_pending = False
+        else:
+            await receive()
+            engine._wakeup_pending = False
+        self.wakeups += 1
+        engine._debug = logger.isEnabledFor(logging.DEBUG)
