@@ -744,12 +744,8 @@ class _Engine(Generic[RequestT, ResultT]):
         start.clear()
         timer = self._timer
         assert timer is not None
-        offset = self._offset
-        handler = self._handler
-        timeout = self._timeout
-        heap = self._heap
-        queue = self._queue
-        lock = self._lock
+        offset, handler, timeout = self._offset, self._handler, self._timeout
+        heap, queue, lock = self._heap, self._queue, self._lock
         task = trio.lowlevel.current_task()
         stored = self._store_run  # None for the in-memory engine
         outcomes = self._outcomes
@@ -758,15 +754,13 @@ class _Engine(Generic[RequestT, ResultT]):
         # the last duration counted with its edges: durations come in runs that share a bucket, and
         # two comparisons cost less than a search.
         timed = self._histograms
-        wait_counts = self._wait_counts
-        run_counts = self._run_counts
+        wait_counts, run_counts = self._wait_counts, self._run_counts
         wait_bucket = run_bucket = 0
         wait_low = wait_high = run_low = run_high = math.nan
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
         attempt = ATTEMPTS[task] = Attempt(self, withdrawable)
-        # tuned (bench: burst): whether this task is cancelled, one attribute per start: see
-        # _lowlevel.
+        # tuned (bench: burst): whether this task is cancelled, one read per start (_lowlevel)
         cancel_status = _lowlevel.cancel_status(task)
         # Requests cancel() took after a processor was handed them, before
         # they started (an alias: the set itself is the service's).

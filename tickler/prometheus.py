@@ -13,6 +13,7 @@ brings ``prometheus_client``); ``import tickler`` itself does not.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,9 +33,9 @@ except ImportError as exc:  # pragma: no cover - tested in a subprocess
         "tickler.prometheus needs prometheus_client: pip install 'trio-tickler[prometheus]'"
     ) from exc
 
-from ._core import logger
-from ._service import Service
-from ._statistics import Histogram, ServiceStatistics
+from . import Histogram, Service, ServiceStatistics
+
+logger = logging.getLogger("tickler")
 
 __all__ = ["Collector"]
 
