@@ -65,6 +65,15 @@ priority, unique_until, ...); what follows is the engine's own and not written."
     isolate: bool = False
     """Insert each row in a savepoint of its own: a row the store refuses is reported
     in BatchResult.refused, and the rest of the batch commits (see _sql.run_batch)."""
+    pause: bool | None = None
+    """If not None, set the queue's paused flag to it (for every process), before the claim:
+    a paused queue's claims take nothing, while its running rows keep their leases."""
+    ticks: Sequence[tuple[str, float, bool, bytes, int]] = ()
+    """Periodic ticks: (name, tick_at, catch_up, request, priority). Each is taken by one
+    process only, against the queue's record of the name: with no record yet, the record
+    is made and the request enqueued unless catch_up; with a record of an earlier tick, the
+    request is enqueued; else nothing. tick_at is the tick's wall-clock time, its identity
+    (never moved by BatchResult.shift); an enqueued request is queued, due now."""
 
 
 @attrs.define(eq=False)
@@ -92,6 +101,10 @@ class BatchResult:
     refused: dict[int, str] = attrs.Factory(dict)
     """With isolate: for each insert the store refused, by its position in Batch.inserts,
     the error in one line; its entry in inserted is (0, False)."""
+    paused: bool = False
+    """Whether the queue is paused, after the batch."""
+    ticked: list[int] = attrs.Factory(list)
+    """For each of Batch.ticks: the id of the request it enqueued, or 0."""
 
 
 class Session(Protocol):

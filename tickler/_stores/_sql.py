@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from operator import itemgetter
 from typing import Any, Protocol
 
 import attrs
@@ -79,15 +78,26 @@ ROW_COLUMNS = (
     " attempts, enqueued_at, started_at, finished_at"
 )
 
-INSERT_COLUMNS = "INSERT INTO tickler_requests (queue, key, state, request, run_at, enqueued_at)"
+INSERT_COLUMNS = (
+    "INSERT INTO tickler_requests"
+    " (queue, key, state, request, run_at, enqueued_at, priority, unique_until)"
+)
 
 # Rows without a key go many to an INSERT, at most this many.
 ROWS_PER_STATEMENT = 150
 # Final rows a batch deletes at most.
 PRUNE_BATCH = 1000
 
-# The order of claimed rows: as they fell due, then as they were enqueued.
-_DUE_THEN_ID = itemgetter(5, 0)
+# The order of claimed rows: the higher priority first; of one priority, as they fell
+# due, then as they were enqueued. A claimed row is (id, ..., run_at, priority, ...).
+
+
+def _claim_order(row: Claimed) -> tuple[int, float, int]:
+    return -row[6], row[5], row[0]
+
+
+# What PostgreSQL's integer column holds: a priority must fit it.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 @attrs.frozen
@@ -98,10 +108,12 @@ class Statements:
     """
 
     insert: str
-    """(queue, key, state, request, run_at, enqueued_at): RETURNING id; no row if the
-    key is live."""
-    live_id_of_key: str
-    """(queue, key): the id of the key's live row."""
+    """(queue, key, state, request, run_at, enqueued_at, priority, unique_until, queue, key,
+    now): RETURNING id; no row if the key is taken: live, or held by a row whose
+    unique_until is after now."""
+    holder_of_key: str
+    """(queue, key, now): the id of the row that holds the key: its live row, else the
+    latest whose unique_until is after now."""
     renew: str
     """(lease_until, queue, owner): every running lease of owner's."""
     mine: str
@@ -113,9 +125,9 @@ class Statements:
     recent: str
     """(queue, since): ids of the queue's rows final since then."""
     prune: str
-    """(queue, cutoff, limit): delete the queue's rows final before cutoff. Each queue's
-    retention deletes its own rows only: queues of one store may keep them for different
-    times."""
+    """(queue, cutoff, now, limit): delete the queue's rows final before cutoff, but for
+    those whose unique_until is after now (they hold their key). Each queue's retention
+    deletes its own rows only: queues of one store may keep them for different times."""
     has: str
     """(id,): a row, if the id has one."""
     row_by_id: str
@@ -131,7 +143,16 @@ class Statements:
     cancel_now: str
     """(finished_at, id): a row that does not run ends CANCELLED."""
     counts: str
-    """(queue,): (state as COUNTED_STATE, count) for each state the queue has."""
+    """(queue, queue): (state as COUNTED_STATE, count) for each state the queue has, and
+    ("paused", 1 or 0) if the queue has a row in tickler_queues."""
+    set_paused: str
+    """(queue, paused): set the queue's flag in tickler_queues, inserting its row."""
+    tick_insert: str
+    """(queue, name, tick_at): insert the periodic's first record; RETURNING a row, none
+    if it has one (waiting for another transaction that is inserting it)."""
+    tick_advance: str
+    """(tick_at, queue, name, tick_at): move the record to tick_at if it is earlier;
+    RETURNING a row, none if it was not."""
 
 
 class Dialect(Protocol):
@@ -165,8 +186,9 @@ class Dialect(Protocol):
     def insert_rows(
         self, queue: str, entries: Sequence[tuple[Any, ...]], now: float
     ) -> Iterable[int]:
-        """Insert keyless entries (None, state, request, run_at, ...) in one statement;
-        their ids, in their order."""
+        """Insert keyless entries (None, state, request, run_at, priority, ...) in one
+        statement (unique_until NULL: a row without a key holds none); their ids, in their
+        order."""
         ...
 
     def write_outcomes(
@@ -184,12 +206,14 @@ class Dialect(Protocol):
         self, queue: str, owner: str, now: float, lease_until: float, limit: int
     ) -> Callable[[], list[Claimed]]:
         """Claim up to ``limit`` ready rows and rows whose lease expired (not owner's own,
-        not asked to cancel), in the order they fell due; the answer is read by calling."""
+        not asked to cancel), the higher priority first, then in the order they fell due,
+        then by id; none while the queue is paused. Each claimed row ends with its
+        priority (the 7th column). The answer is read by calling."""
         ...
 
-    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int]]:
-        """Ask when the next ready row falls due, and whether anything of the queue is
-        live (1 or 0); the answer is read by calling."""
+    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int, bool]]:
+        """Ask when the next ready row falls due, whether anything of the queue is live
+        (1 or 0), and whether it is paused; the answer is read by calling."""
         ...
 
     def finals(self, ids: Sequence[int]) -> list[Row]:
@@ -223,6 +247,14 @@ def run_batch(
     ``BatchResult.refused`` and entered as (0, False) in ``inserted``,
     and the rest of the batch commits. Without it, any error fails the
     whole batch, and nothing of it is written.
+
+    An insert (key, state, request, run_at, priority, unique_until, ...) finds
+    its key taken if the queue has a live row of the key, or any row of it
+    whose unique_until is after the transaction's time: it is then entered as
+    (that row's id, False), the live row's first. ``batch.pause`` is written
+    before the claim (and a paused queue's claim takes nothing), then
+    ``batch.ticks`` (see Batch.ticks); retention never deletes a row that
+    holds its key.
     """
     x = d.execute
     sql = d.statements
@@ -232,15 +264,18 @@ def run_batch(
         now, shift = d.now()
         result.now, result.shift = now, shift
         inserts, outcomes = batch.inserts, batch.outcomes
-        if shift:
-            # The loop's times (an enqueue's run_at, an outcome's) are this
-            # process's time.time(): moved onto the store's clock.
-            inserts = [(e[0], e[1], e[2], e[3] + shift, *e[4:]) for e in inserts]
+        if shift or any(len(e) < 6 for e in inserts):
+            # The loop's times (an enqueue's run_at and unique_until, an
+            # outcome's) are this process's time.time(): moved onto the store's
+            # clock. An entry without priority and unique_until has 0 and None.
+            inserts = [_shifted_insert(e, shift) for e in inserts]
             outcomes = [_shifted(outcome, shift) for outcome in outcomes]
         if batch.isolate:
             result.inserted = _insert_isolated(d, queue, inserts, now, result.refused)
         else:
             result.inserted = _insert(d, queue, inserts, now)
+        if batch.ticks:
+            result.ticked = _tick(d, queue, batch.ticks, now)
         if batch.started:
             d.mark_started(owner, batch.started, now)
         result.applied = d.write_outcomes(owner, outcomes, now)
@@ -249,6 +284,8 @@ def run_batch(
             result.mine = {row[0]: bool(row[1]) for row in x(sql.mine, (queue, owner))}
         if batch.claim or batch.renew:
             x(sql.end_cancelled_orphans, (now, queue, now, owner))
+        if batch.pause is not None:
+            x(sql.set_paused, (queue, batch.pause))
         claimed = d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
         # Asked before the claim's rows are read: a server answers both, and
         # with reads_after_commit the COMMIT, in one round trip.
@@ -257,9 +294,10 @@ def run_batch(
         def read() -> None:
             if claimed is not None:
                 rows = claimed()
-                rows.sort(key=_DUE_THEN_ID)
+                rows.sort(key=_claim_order)
                 result.claimed = rows
-            result.next_due, result.live = due_and_live()
+            result.next_due, result.live, paused = due_and_live()
+            result.paused = bool(paused)
 
         if not d.reads_after_commit:
             read()
@@ -276,8 +314,8 @@ def run_batch(
             # keep it until then, whatever the retention.
             cutoff = min(cutoff, batch.finished_since)
         if batch.prune:
-            result.pruned = x(sql.prune, (queue, cutoff, PRUNE_BATCH)).rowcount
-        if batch.inserts:
+            result.pruned = x(sql.prune, (queue, cutoff, now, PRUNE_BATCH)).rowcount
+        if batch.inserts or any(result.ticked) or batch.pause is not None:
             d.notify(queue)  # once per batch, never per row
         d.commit()
         if d.reads_after_commit:
@@ -286,6 +324,15 @@ def run_batch(
         d.rollback()
         raise
     return result
+
+
+def _shifted_insert(entry: tuple[Any, ...], shift: float) -> tuple[Any, ...]:
+    """An insert whose run_at and unique_until are moved by ``shift``, at least six long."""
+    priority = entry[4] if len(entry) > 4 else 0
+    until = entry[5] if len(entry) > 5 else None
+    if until is not None:
+        until += shift
+    return (*entry[:3], entry[3] + shift, priority, until, *entry[6:])
 
 
 def _shifted(
@@ -302,7 +349,7 @@ def _insert(
 ) -> list[tuple[int, bool]]:
     """Insert in order; requests without a key many to a statement.
 
-    Each entry starts with (key, state, request, run_at).
+    Each entry starts with (key, state, request, run_at, priority, unique_until).
     """
     sql = d.statements
     inserted: list[tuple[int, bool]] = []
@@ -320,10 +367,44 @@ def _insert(
             plain.append(entry)
             continue
         flush()
-        params = (queue, key, entry[1], entry[2], entry[3], now)
-        inserted.append(insert_keyed(d.execute, sql.insert, sql.live_id_of_key, key, params))
+        params = (queue, key, entry[1], entry[2], entry[3], now, entry[4], entry[5])
+        inserted.append(
+            insert_keyed(
+                d.execute,
+                sql.insert,
+                sql.holder_of_key,
+                key,
+                (*params, queue, key, now),
+                (queue, key, now),
+            )
+        )
     flush()
     return inserted
+
+
+def _tick(
+    d: Dialect, queue: str, ticks: Sequence[tuple[str, float, bool, bytes, int]], now: float
+) -> list[int]:
+    """Take each periodic tick (see Batch.ticks) once across processes: the id each enqueued,
+    or 0.
+
+    Each tick is decided against the primary key (queue, name) of
+    tickler_periodic: the insert of a first record waits for a transaction
+    inserting the same one, and the update of a record for one updating it,
+    then finds it already at tick_at. The request enqueued is queued, due now.
+    """
+    x, sql = d.execute, d.statements
+    ticked: list[int] = []
+    for name, tick_at, catch_up, request, priority in ticks:
+        if x(sql.tick_insert, (queue, name, tick_at)).fetchone() is not None:
+            enqueue = not catch_up
+        else:
+            enqueue = x(sql.tick_advance, (tick_at, queue, name, tick_at)).fetchone() is not None
+        request_id = 0
+        if enqueue:
+            (request_id,) = d.insert_rows(queue, [(None, "queued", request, now, priority)], now)
+        ticked.append(request_id)
+    return ticked
 
 
 # A savepoint per row of an isolated batch; the same words in every dialect.
@@ -370,21 +451,29 @@ def _one_line(exc: BaseException) -> str:
 
 
 def insert_keyed(
-    execute: Callable[[str, Any], Any], insert: str, live: str, key: str | None, params: Any
+    execute: Callable[[str, Any], Any],
+    insert: str,
+    live: str,
+    key: str | None,
+    params: Any,
+    live_params: Any = None,
 ) -> tuple[int, bool]:
-    """Insert a request: (its id, True), or (the live one's id, False) if its key is live.
+    """Insert a request: (its id, True), or (the holder's id, False) if its key is taken.
 
     ``insert`` is a statement of Statements.insert's kind, run with ``params``;
-    ``live`` one of Statements.live_id_of_key's, run with (queue, key), the
-    queue being the first of ``params``. Under PostgreSQL's READ COMMITTED
-    the live row can end between the insert that met it and the select that
-    looks for it: then insert again.
+    ``live`` one of Statements.holder_of_key's, run with ``live_params``
+    ((queue, key) by default, the queue being the first of ``params``). Under
+    PostgreSQL's READ COMMITTED the holder can end (or its hold run out)
+    between the insert that met it and the select that looks for it: then
+    insert again.
     """
+    if live_params is None:
+        live_params = (params[0], key)
     for _ in range(10):
         found = execute(insert, params).fetchone()
         if found is not None:
             return found[0], True
-        live_row = execute(live, (params[0], key)).fetchone()
+        live_row = execute(live, live_params).fetchone()
         if live_row is not None:
             return live_row[0], False
     raise StoreError(f"the key {key} of queue {params[0]!r} kept changing hands; try again")
@@ -393,23 +482,142 @@ def insert_keyed(
 _JSON = JsonCodec()
 
 
-def prepare_enqueue(
-    codecs: dict[str, Codec], queue: str, request: object, key: object, delay: float | None
-) -> tuple[str | None, str, bytes, float, float]:
-    """What ``enqueue_in`` writes, checked and encoded: (key, state, request, run_at, now).
+@attrs.frozen
+class Enqueue:
+    """What ``enqueue_in`` and ``enqueue_many_in`` write, checked and encoded."""
 
-    The times are this process's clock.
+    keys: list[str | None]
+    """Each request's encoded key, or None."""
+    requests: list[bytes]
+    state: str
+    """"queued", or "scheduled" with a delay."""
+    delay: float
+    """Seconds from the enqueue to run_at: 0.0 without a delay."""
+    priority: int
+    unique_for: float | None
+    """Seconds a keyed row holds its key after it is enqueued (math.inf: for ever), or None."""
+    now: float
+    """This process's clock when it was prepared."""
+
+
+def check_priority(priority: object) -> int:
+    """A priority, checked: an int (not a bool) in PostgreSQL's integer range."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError("priority must be an int")
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise ValueError(f"priority must be from {low} to {high}")
+    return priority
+
+
+def check_unique_for(unique_for: object) -> float | None:
+    """A hold, checked: None, or seconds > 0 (math.inf allowed)."""
+    if unique_for is None:
+        return None
+    if isinstance(unique_for, bool) or not isinstance(unique_for, int | float):
+        raise TypeError("unique_for must be None or a number of seconds")
+    if not unique_for > 0:  # (NaN too)
+        raise ValueError("unique_for must be > 0 (math.inf: for ever)")
+    return float(unique_for)
+
+
+def prepare_enqueue(
+    codecs: dict[str, Codec],
+    queue: str,
+    requests: Iterable[object],
+    key: Callable[[Any], object] | None,
+    delay: float | None,
+    priority: object = 0,
+    unique_for: object = None,
+) -> Enqueue:
+    """What ``enqueue_in`` and ``enqueue_many_in`` write, every argument checked and every
+    request encoded before anything is written.
+
+    ``key`` gives each request's key (or None); None: no request has one.
     """
     if not isinstance(queue, str):
         raise TypeError("queue must be a str")
     check_queue_name(queue, "queue")
-    key_text = encode_key(key) if key is not None else None
-    now = time.time()
-    run_at, state = now, "queued"
+    checked_priority = check_priority(priority)
+    hold = check_unique_for(unique_for)
+    if key is not None and not callable(key):
+        raise TypeError("key must be None or a callable giving each request's key")
+    if hold is not None and key is None:
+        raise ValueError("unique_for holds a key: give a key too")
+    state, wait = "queued", 0.0
     if delay is not None:
-        run_at += seconds("delay", delay, allow_zero=True)
+        wait = seconds("delay", delay, allow_zero=True)
         state = "scheduled"
-    return key_text, state, codecs.get(queue, _JSON).encode(request), run_at, now
+    codec = codecs.get(queue, _JSON)
+    if isinstance(requests, list | tuple):
+        listed = requests
+    else:
+        if isinstance(requests, str | bytes | bytearray | dict) or not isinstance(
+            requests, Iterable
+        ):
+            raise TypeError("requests must be an iterable of requests")
+        listed = list(requests)
+    keys: list[str | None] = []
+    encoded: list[bytes] = []
+    for request in listed:
+        if key is not None:
+            found = key(request)
+            keys.append(encode_key(found) if found is not None else None)
+        else:
+            keys.append(None)
+        encoded.append(codec.encode(request))
+    return Enqueue(keys, encoded, state, wait, checked_priority, hold, time.time())
+
+
+def enqueue_rows(
+    insert: Callable[[list[tuple[str | None, bytes]]], Iterable[tuple[int, str | None]]],
+    holders: Callable[[list[str]], dict[str, int]],
+    keys: Sequence[str | None],
+    requests: Sequence[bytes],
+    what: str,
+) -> list[int]:
+    """Insert requests with their keys; their ids in order, the holder's for a taken key.
+
+    ``insert`` writes (key, request) pairs in order, leaving out each whose key is taken,
+    and returns (id, key) of the rows it wrote, their ids increasing in its order.
+    ``holders`` gives the holder's id of each key it finds taken: its live row, else the
+    latest held. A key met again in the same call gets the id of its first. A holder can
+    end between the insert that met it and the look for it: then insert again.
+    """
+    first: dict[str, int] = {}
+    pending: list[int] = []
+    for position, key in enumerate(keys):
+        if key is None:
+            pending.append(position)
+        elif key not in first:
+            first[key] = position
+            pending.append(position)
+    ids = [0] * len(keys)
+    for _ in range(10):
+        written = list(insert([(keys[i], requests[i]) for i in pending]))
+        new_keys = {key for _, key in written if key is not None}
+        taken = [i for i in pending if keys[i] is not None and keys[i] not in new_keys]
+        inserted = [i for i in pending if keys[i] is None or keys[i] in new_keys]
+        if len(inserted) != len(written):
+            raise StoreError(f"an insert wrote {len(written)} rows of {len(inserted)}")
+        for position, (request_id, _) in zip(inserted, sorted(written), strict=True):
+            ids[position] = request_id
+        found = holders([k for i in taken if (k := keys[i]) is not None]) if taken else {}
+        pending = []
+        for position in taken:
+            holder = found.get(keys[position])  # type: ignore[arg-type]
+            if holder is None:
+                pending.append(position)
+            else:
+                ids[position] = holder
+        if not pending:
+            break
+    else:
+        raise StoreError(f"keys of {what} kept changing hands; try again")
+    for position, key in enumerate(keys):
+        if key is not None:
+            ids[position] = ids[first[key]]
+    return ids
 
 
 def seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -470,10 +678,12 @@ def cancel(d: Dialect, queue: str, id_or_key: object) -> tuple[bool, int | None]
 
 
 def counts(d: Dialect, queue: str) -> dict[str, int]:
-    """The queue's rows by state; "claimed" are running rows whose attempt has not started."""
+    """The queue's rows by state; "claimed" are running rows whose attempt has not started;
+    and "paused": 1 if the queue is paused, else 0."""
     found = dict.fromkeys(COUNTED, 0)
-    for state, count in d.execute(d.statements.counts, (queue,)):
-        found[state] = count
+    found["paused"] = 0
+    for state, count in d.execute(d.statements.counts, (queue, queue)):
+        found[state] = int(count)
     return found
 
 
@@ -485,14 +695,26 @@ class QueueReport:
     """Rows by state, as Session.statistics() counts them."""
     failures: list[tuple[Any, ...]]
     """The latest failed rows: (id, attempts, error_type, error_message)."""
+    paused: bool = False
+    """Whether the queue is paused."""
+
+
+# Every queue's paused flag, for report().
+PAUSED_QUEUES = "SELECT queue, paused FROM tickler_queues"
 
 
 def report(
-    execute: Callable[[str, Any], Iterable[Sequence[Any]]], failures: str, latest: int
+    execute: Callable[[str, Any], Iterable[Sequence[Any]]],
+    failures: str,
+    latest: int,
+    *,
+    paused: bool = True,
 ) -> dict[str, QueueReport]:
-    """Every queue's counts and latest failures, by queue name.
+    """Every queue's counts and latest failures, by queue name, and whether it is paused
+    (a paused queue without rows too).
 
     ``failures`` is a statement taking (queue, limit), in the style of ``execute``.
+    ``paused``: whether the schema has tickler_queues (an older one has none).
     """
     by_queue: dict[str, dict[str, int]] = {}
     every_count = (
@@ -500,7 +722,17 @@ def report(
     )
     for queue, state, count in execute(every_count, ()):
         by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))[state] = count
+    flags: dict[str, bool] = {}
+    if paused:
+        flags = {queue: bool(flag) for queue, flag in execute(PAUSED_QUEUES, ())}
+        for queue, flag in flags.items():
+            if flag:
+                by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))
     return {
-        queue: QueueReport(found, [(*row,) for row in execute(failures, (queue, latest))])
+        queue: QueueReport(
+            found,
+            [(*row,) for row in execute(failures, (queue, latest))],
+            flags.get(queue, False),
+        )
         for queue, found in sorted(by_queue.items())
     }

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._codec import Codec
+from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
 from ._pg_listen import Listener
 from ._seam import Batch, BatchResult, Claimed, Row
@@ -25,11 +25,12 @@ from ._sql import (
     INSERT_COLUMNS,
     ROW_COLUMNS,
     SETS,
+    Enqueue,
     QueueReport,
     Statements,
     cancel,
     counts,
-    insert_keyed,
+    enqueue_rows,
     lookup,
     prepare_enqueue,
     report,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # A schema's name also names its NOTIFY channel, "tickler_" + schema, which
 # PostgreSQL caps at 63 bytes.
@@ -68,7 +69,9 @@ CREATE TABLE tickler_requests (
     finished_at DOUBLE PRECISION,
     owner TEXT,
     lease_until DOUBLE PRECISION,
-    cancel_requested BOOLEAN NOT NULL DEFAULT FALSE
+    cancel_requested BOOLEAN NOT NULL DEFAULT FALSE,
+    priority INTEGER NOT NULL DEFAULT 0,
+    unique_until DOUBLE PRECISION
 ) WITH (
     -- A queue's rows are updated a few times and deleted: vacuum it early.
     autovacuum_vacuum_scale_factor = 0.02,
@@ -79,13 +82,43 @@ CREATE UNIQUE INDEX tickler_live_keys ON tickler_requests (queue, key)
     WHERE key IS NOT NULL AND state IN ('queued', 'scheduled', 'running', 'retrying');
 -- lookup(key) of a finished request, which the index of live keys does not hold.
 CREATE INDEX tickler_keys ON tickler_requests (queue, key) WHERE key IS NOT NULL;
-CREATE INDEX tickler_ready ON tickler_requests (queue, run_at, id)
-    WHERE state IN ('queued', 'scheduled', 'retrying');
 CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
     WHERE state = 'running';
 CREATE INDEX tickler_finished ON tickler_requests (finished_at)
-    WHERE state IN ('succeeded', 'failed', 'cancelled')
+    WHERE state IN ('succeeded', 'failed', 'cancelled');
+{_V2}
 """
+
+# Version 2, from version 1: each row's priority and the time until which it holds its
+# key (NULL: no hold); the claim index in the claim's order, the higher priority first;
+# each queue's paused flag; the last tick of each periodic request. Each step is skipped
+# where the schema already has it. (The index is built under a lock that holds writes
+# back until it is done.)
+_TO_V2 = """
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS priority INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS unique_until DOUBLE PRECISION;
+DROP INDEX IF EXISTS tickler_ready;
+"""
+
+_V2 = """
+CREATE INDEX tickler_ready ON tickler_requests (queue, priority DESC, run_at, id)
+    WHERE state IN ('queued', 'scheduled', 'retrying');
+CREATE TABLE IF NOT EXISTS tickler_queues (
+    queue TEXT PRIMARY KEY,
+    paused BOOLEAN NOT NULL DEFAULT FALSE
+);
+CREATE TABLE IF NOT EXISTS tickler_periodic (
+    queue TEXT NOT NULL,
+    name TEXT NOT NULL,
+    last_tick DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (queue, name)
+)
+"""
+
+_SCHEMA = _SCHEMA.format(_V2=_V2)
+
+# From each older version, the statements that bring a schema to the next one.
+_MIGRATIONS = {1: _TO_V2 + _V2}
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
@@ -99,11 +132,22 @@ _ROW = f"SELECT {ROW_COLUMNS} FROM tickler_requests"  # noqa: S608 (constants on
 # that writes the row, never in between.
 _FOR_UPDATE = " FOR UPDATE"
 
+_SET_PAUSED = (
+    "INSERT INTO tickler_queues (queue, paused) VALUES (%s, %s)"
+    " ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused"
+)
+
 _STATEMENTS = Statements(
-    insert=f"{INSERT_COLUMNS} VALUES (%s, %s, %s, %s, %s, %s)"
+    # A keyed row, unless its key is held by a row whose unique_until has not come, or
+    # live (the conflict with tickler_live_keys).
+    insert=f"{INSERT_COLUMNS}"  # noqa: S608 (constants only)
+    " SELECT %s, %s, %s, %s::bytea, %s::float8, %s::float8, %s::int4, %s::float8"
+    " WHERE NOT EXISTS (SELECT 1 FROM tickler_requests"
+    " WHERE queue = %s AND key = %s AND key IS NOT NULL AND unique_until > %s)"
     f" ON CONFLICT (queue, key) WHERE key IS NOT NULL AND {_LIVE_STATE} DO NOTHING RETURNING id",
-    live_id_of_key="SELECT id FROM tickler_requests"  # noqa: S608 (constants only)
-    f" WHERE queue = %s AND key = %s AND key IS NOT NULL AND {_LIVE_STATE}",
+    holder_of_key="SELECT id FROM tickler_requests"  # noqa: S608 (constants only)
+    f" WHERE queue = %s AND key = %s AND key IS NOT NULL AND ({_LIVE_STATE} OR unique_until > %s)"
+    f" ORDER BY {_LIVE_STATE} DESC, id DESC LIMIT 1",
     renew="UPDATE tickler_requests SET lease_until = %s"
     " WHERE queue = %s AND state = 'running' AND owner = %s",
     mine="SELECT id, cancel_requested FROM tickler_requests"
@@ -116,7 +160,7 @@ _STATEMENTS = Statements(
     " AND finished_at >= %s",
     prune="DELETE FROM tickler_requests WHERE id IN ("  # noqa: S608 (constants only)
     f" SELECT id FROM tickler_requests WHERE queue = %s AND {_FINAL_STATE} AND finished_at < %s"
-    " LIMIT %s)",
+    " AND (unique_until IS NULL OR unique_until <= %s) LIMIT %s)",
     has="SELECT 1 FROM tickler_requests WHERE id = %s",
     row_by_id=f"{_ROW} WHERE queue = %s AND id = %s",
     row_by_key=f"{_ROW} WHERE queue = %s AND key = %s"
@@ -126,62 +170,102 @@ _STATEMENTS = Statements(
     ask_cancel="UPDATE tickler_requests SET cancel_requested = TRUE WHERE id = %s",
     cancel_now="UPDATE tickler_requests SET state = 'cancelled', finished_at = %s WHERE id = %s",
     counts=f"SELECT {COUNTED_STATE} AS s, count(*) FROM tickler_requests"  # noqa: S608 (constants only)
-    " WHERE queue = %s GROUP BY s",
+    " WHERE queue = %s GROUP BY s"
+    " UNION ALL SELECT 'paused', CASE WHEN paused THEN 1 ELSE 0 END FROM tickler_queues"
+    " WHERE queue = %s",
+    set_paused=_SET_PAUSED,
+    tick_insert="INSERT INTO tickler_periodic (queue, name, last_tick) VALUES (%s, %s, %s)"
+    " ON CONFLICT (queue, name) DO NOTHING RETURNING 1",
+    tick_advance="UPDATE tickler_periodic SET last_tick = %s"
+    " WHERE queue = %s AND name = %s AND last_tick < %s RETURNING 1",
 )
 
-# One statement per wake-up: the oldest ready rows and the expired leases,
-# skipping rows another replica is claiming at this instant. Each kind is
-# ordered and limited on its own partial index (tickler_ready,
-# tickler_running), so a claim reads about as many index entries as it
-# claims: one WHERE with an OR of the two would scan and sort every ready
-# row. A lease of this replica's own that lapsed (the server was away longer
-# than the lease) is never claimed by it again: its attempt still runs here,
-# and the next look renews the lease (or hands back a row this replica never
-# learned it held). A request whose cancel was asked for is never claimed
-# again: the batch ends it CANCELLED instead (rechecked here, since a cancel
-# can commit in between). The ids are picked first, as an array, so that the
-# rows are then found by primary key: a join with the picked ids may be
-# planned as a hash join over a scan of the whole table.
+# One statement per wake-up: the ready rows of the highest priority first,
+# each priority's in the order they fell due, and the expired leases,
+# skipping rows another replica is claiming at this instant; nothing while
+# the queue is paused. The priorities that have ready rows are found one at a
+# time on tickler_ready (queue, priority DESC, run_at, id), each the largest
+# below the last (a loose index scan), and each one's due rows are read there
+# in order, limited on their own, so that a claim reads about as many index
+# entries as it claims, whatever is scheduled for later. The expired leases
+# are ordered and limited on tickler_running: one WHERE with an OR of the two
+# kinds would scan and sort every ready row. A lease of this replica's own
+# that lapsed (the server was away longer than the lease) is never claimed by
+# it again: its attempt still runs here, and the next look renews the lease
+# (or hands back a row this replica never learned it held). A request whose
+# cancel was asked for is never claimed again: the batch ends it CANCELLED
+# instead (rechecked here, since a cancel can commit in between). The ids are
+# picked first, as an array, so that the rows are then found by primary key:
+# a join with the picked ids may be planned as a hash join over a scan of the
+# whole table.
+_NOT_PAUSED = "NOT EXISTS (SELECT 1 FROM tickler_queues WHERE queue = %(queue)s AND paused)"
+
 _CLAIM = f"""
 UPDATE tickler_requests AS t
 SET state = 'running', owner = %(owner)s, lease_until = %(lease_until)s,
     attempts = t.attempts + 1, started_at = NULL
 WHERE t.id = ANY(ARRAY(
     SELECT id FROM (
-        SELECT id, run_at AS due FROM (
-            SELECT id, run_at FROM tickler_requests
-            WHERE queue = %(queue)s AND {_READY} AND run_at <= %(now)s
+        SELECT ready.id, ready.priority, ready.run_at AS due FROM (
+            WITH RECURSIVE level(p) AS (
+                (SELECT priority FROM tickler_requests
+                 WHERE queue = %(queue)s AND {_READY} AND {_NOT_PAUSED}
+                 ORDER BY priority DESC LIMIT 1)
+                UNION ALL
+                SELECT (SELECT priority FROM tickler_requests
+                        WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+                        ORDER BY priority DESC LIMIT 1)
+                FROM level WHERE level.p IS NOT NULL
+            )
+            SELECT p FROM level WHERE p IS NOT NULL
+        ) AS level
+        CROSS JOIN LATERAL (
+            SELECT id, priority, run_at FROM tickler_requests
+            WHERE queue = %(queue)s AND {_READY} AND priority = level.p
+                AND run_at <= %(now)s
             ORDER BY run_at, id LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ) AS ready
         UNION ALL
-        SELECT id, run_at FROM (
-            SELECT id, run_at FROM tickler_requests
+        SELECT id, priority, run_at FROM (
+            SELECT id, priority, run_at FROM tickler_requests
             WHERE queue = %(queue)s AND state = 'running' AND lease_until < %(now)s
-                AND owner <> %(owner)s AND NOT cancel_requested
+                AND owner <> %(owner)s AND NOT cancel_requested AND {_NOT_PAUSED}
             ORDER BY lease_until LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED
         ) AS expired
     ) AS both_kinds
-    ORDER BY due, id LIMIT %(limit)s
+    ORDER BY priority DESC, due, id LIMIT %(limit)s
 ))
-RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at
+RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at, t.priority
 """  # noqa: S608 (constants only)
 
-# When the next ready row falls due, and whether anything is live, in one
-# statement, each part an ordered LIMIT 1 on its partial index: an EXISTS
-# over the ready states may be planned as a sequential scan, which reads
-# every finished row ahead of the first ready one.
+# When the next ready row falls due (the earliest run_at of each priority,
+# found as the claim finds them), whether anything is live, and whether the
+# queue is paused, in one statement, each part on its index: an EXISTS over
+# the ready states may be planned as a sequential scan, which reads every
+# finished row ahead of the first ready one.
 _DUE_AND_LIVE = f"""
 SELECT (
-    SELECT run_at FROM tickler_requests
-    WHERE queue = %(queue)s AND {_READY}
-    ORDER BY run_at LIMIT 1
+    WITH RECURSIVE level(p) AS (
+        (SELECT priority FROM tickler_requests
+         WHERE queue = %(queue)s AND {_READY}
+         ORDER BY priority DESC LIMIT 1)
+        UNION ALL
+        SELECT (SELECT priority FROM tickler_requests
+                WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+                ORDER BY priority DESC LIMIT 1)
+        FROM level WHERE level.p IS NOT NULL
+    )
+    SELECT min((SELECT run_at FROM tickler_requests
+                WHERE queue = %(queue)s AND {_READY} AND priority = level.p
+                ORDER BY run_at LIMIT 1))
+    FROM level WHERE level.p IS NOT NULL
 ), (
     SELECT 1 FROM tickler_requests
     WHERE queue = %(queue)s AND state = 'running'
     ORDER BY lease_until LIMIT 1
-) IS NOT NULL
+) IS NOT NULL, coalesce((SELECT paused FROM tickler_queues WHERE queue = %(queue)s), FALSE)
 """  # noqa: S608 (constants only)
 
 _STARTED = (
@@ -295,7 +379,7 @@ class PostgresStore:
         self.schema = schema
         self.retention = seconds("retention", retention, allow_zero=True)
         self._codecs: dict[str, Codec] = {}
-        self._enqueue_sql: tuple[str, str] | None = None
+        self._enqueue_sql: tuple[str, str] | None = None  # (insert, holders)
 
     def __repr__(self) -> str:
         return f"tickler.PostgresStore(schema={self.schema!r})"
@@ -328,12 +412,25 @@ class PostgresStore:
         *,
         key: object = None,
         delay: float | None = None,
+        priority: int = 0,
+        unique_for: float | None = None,
     ) -> int:
         """Write a request through the caller's psycopg connection, in its open transaction.
 
         The request exists if and only if the caller commits; on a
-        connection in autocommit mode, it is committed at once. Returns its
-        id, or the live request's id if ``key`` is live.
+        connection in autocommit mode, it is committed at once.
+
+        Args:
+            priority: higher runs first: among ready requests, the highest
+                priority is claimed first, then the earliest due. An int in
+                PostgreSQL's integer range.
+            unique_for: seconds the key stays taken after this enqueue, even
+                once the request is final (``math.inf``: for ever); retention
+                keeps the row until then. Needs ``key``.
+
+        Returns:
+            The new request's id, or the id of the request holding ``key``: its
+            live request, else the latest whose ``unique_for`` has not run out.
 
         Raises:
             StoreError: the schema has no tickler tables yet: call
@@ -341,28 +438,82 @@ class PostgresStore:
                 The failed statement has aborted the caller's transaction,
                 which must be rolled back.
             ValueError: ``queue`` is over MAX_QUEUE_BYTES, or the encoded
-                ``key`` over MAX_KEY_BYTES (see the class's note on keys).
+                ``key`` over MAX_KEY_BYTES (see the class's note on keys);
+                ``priority`` or ``unique_for`` out of range, or ``unique_for``
+                without ``key``.
+            TypeError: ``priority`` is not an int, ``unique_for`` not a number.
         """
+        keyed = None if key is None else (lambda _: key)
+        prepared = prepare_enqueue(
+            self._codecs, queue, [request], keyed, delay, priority, unique_for
+        )
+        return self._enqueue(connection, queue, prepared)[0]
+
+    def enqueue_many_in(
+        self,
+        connection: psycopg.Connection[Any],
+        queue: str,
+        requests: Iterable[object],
+        *,
+        key: Callable[[Any], object] | None = None,
+        delay: float | None = None,
+        priority: int = 0,
+        unique_for: float | None = None,
+    ) -> list[int]:
+        """Write many requests through the caller's psycopg connection, in its open
+        transaction, in one statement.
+
+        As ``enqueue_in`` for each request, in order. ``key``, if given, is
+        called with each request and gives its key, or None for none. Every
+        request is checked and encoded before anything is written. A key that
+        another transaction inserts at the same moment takes one more statement.
+
+        Returns:
+            Each request's id, in order: a request whose key is taken (by a
+            live request, one held by ``unique_for``, or one earlier in
+            ``requests``) gets the holder's.
+
+        Raises:
+            As ``enqueue_in``; TypeError if ``key`` is not callable.
+        """
+        prepared = prepare_enqueue(self._codecs, queue, requests, key, delay, priority, unique_for)
+        return self._enqueue(connection, queue, prepared)
+
+    def _enqueue(self, connection: psycopg.Connection[Any], queue: str, e: Enqueue) -> list[int]:
+        """Insert prepared requests; their ids. Times are the server's."""
         import psycopg
         import psycopg.errors
         import psycopg.rows
 
         if not isinstance(connection, psycopg.Connection):
             raise TypeError("connection must be a psycopg.Connection")
-        key_text, state, data, run_at, now = prepare_enqueue(
-            self._codecs, queue, request, key, delay
-        )
-        # The server's clock, not this process's: only the delay goes as a
-        # value (see _enqueue_statements).
-        params: tuple[Any, ...] = (queue, key_text, state, data, run_at - now)
-        if self.notify:
-            params = (*params, self.channel, queue)  # pg_notify's
-        insert, live = self._enqueue_statements()
+        if not e.requests:
+            return []
+        insert, holders_sql = self._enqueue_statements()
+        fixed: dict[str, Any] = {
+            "queue": queue,
+            "state": e.state,
+            "delay": e.delay,
+            "priority": e.priority,
+            "unique_for": e.unique_for,
+            "channel": self.channel,
+        }
         # A cursor of its own reads rows as tuples, whatever the connection's
         # row factory.
         with connection.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
+
+            def write(rows: list[tuple[str | None, bytes]]) -> list[tuple[int, str | None]]:
+                keys = [key for key, _ in rows]
+                requests = [request for _, request in rows]
+                params = {**fixed, "keys": keys, "requests": requests}
+                return cursor.execute(insert, params).fetchall()
+
+            def holders(keys: list[str]) -> dict[str, int]:
+                found = cursor.execute(holders_sql, (queue, keys)).fetchall()
+                return dict(found)
+
             try:
-                return int(insert_keyed(cursor.execute, insert, live, key_text, params)[0])
+                return enqueue_rows(write, holders, e.keys, e.requests, f"queue {queue!r}")
             except psycopg.errors.UndefinedTable:
                 raise StoreError(
                     f"schema {self.schema!r} has no tickler tables yet: create them with"
@@ -374,30 +525,51 @@ class PostgresStore:
     def _enqueue_statements(self) -> tuple[str, str]:
         """enqueue_in's statements, in this store's schema whatever the caller's search_path.
 
-        The insert sends the NOTIFY itself when it inserts a row: one round
-        trip a request, and the notification goes out at the caller's commit.
-        Its times are the server's, as the claim's are, so that a caller's
-        clock cannot hold a request back or start it early: the row is
-        enqueued at the statement's time, and due ``delay`` later.
+        The insert writes every request in one statement, their keys and
+        requests as arrays (each a parameter, whatever their number, so one
+        prepared statement), leaving out each whose key is taken: held by a
+        row whose unique_until has not come, or live (the conflict with
+        tickler_live_keys). It sends the NOTIFY itself when it inserts a row,
+        and the notification goes out at the caller's commit. Its times are
+        the server's, as the claim's are, so that a caller's clock cannot hold
+        a request back or start it early: the rows are enqueued at the
+        statement's time, and due ``delay`` later. The second statement finds
+        the holders of the keys the insert left out.
         """
         if self._enqueue_sql is None:
             table = f'"{self.schema}".tickler_requests'
-            at = "extract(epoch FROM statement_timestamp())::float8"
             insert = (
-                f"INSERT INTO {table} (queue, key, state, request, run_at, enqueued_at)"  # noqa: S608
-                f" VALUES (%s, %s, %s, %s, {at} + %s, {at})"
+                f"INSERT INTO {table}"  # noqa: S608
+                " (queue, key, state, request, run_at, enqueued_at, priority, unique_until)"
+                " SELECT %(queue)s, u.key, %(state)s, u.request, c.now + %(delay)s::float8,"
+                " c.now, %(priority)s::int4,"
+                " CASE WHEN u.key IS NULL THEN NULL ELSE c.now + %(unique_for)s::float8 END"
+                " FROM unnest(%(requests)s::bytea[], %(keys)s::text[]) WITH ORDINALITY"
+                " AS u(request, key, ord),"
+                " (SELECT extract(epoch FROM statement_timestamp())::float8 AS now) AS c"
+                " WHERE u.key IS NULL OR NOT EXISTS ("
+                f" SELECT 1 FROM {table} AS h WHERE h.queue = %(queue)s AND h.key = u.key"
+                " AND h.key IS NOT NULL AND h.unique_until > c.now)"
+                " ORDER BY u.ord"
                 f" ON CONFLICT (queue, key) WHERE key IS NOT NULL AND {_LIVE_STATE}"
-                " DO NOTHING RETURNING id"
+                " DO NOTHING RETURNING id, key"
             )
             if self.notify:
-                # The channel and queue are parameters' values, never SQL:
-                # only the placeholders for them are added here.
-                insert = f"WITH inserted AS ({insert}) SELECT id, pg_notify(%s, %s) FROM inserted"  # noqa: S608
-            live = (
-                f"SELECT id FROM {table}"  # noqa: S608
-                f" WHERE queue = %s AND key = %s AND key IS NOT NULL AND {_LIVE_STATE}"
+                # The channel and queue are parameters' values, never SQL.
+                insert = (
+                    f"WITH inserted AS ({insert}),"  # noqa: S608
+                    " notified AS (SELECT pg_notify(%(channel)s, %(queue)s)"
+                    " FROM (SELECT FROM inserted LIMIT 1) AS one)"
+                    " SELECT id, key FROM inserted, notified"
+                )
+            holders = (
+                f"SELECT DISTINCT ON (key) key, id FROM {table}"  # noqa: S608
+                " WHERE queue = %s AND key = ANY(%s::text[]) AND key IS NOT NULL"
+                f" AND ({_LIVE_STATE}"
+                " OR unique_until > extract(epoch FROM statement_timestamp())::float8)"
+                f" ORDER BY key, {_LIVE_STATE} DESC, id DESC"
             )
-            self._enqueue_sql = (insert, live)
+            self._enqueue_sql = (insert, holders)
         return self._enqueue_sql
 
     def use_codec(self, queue: str, codec: Codec) -> None:
@@ -553,8 +725,8 @@ class PostgresSession:
         """One INSERT of many rows; their ids read back, since other sessions draw from the
         same sequence."""
         # Only placeholders are formatted into the statement.
-        marks = ",".join(["(%s, NULL, %s, %s, %s, %s)"] * len(entries))
-        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now)]
+        marks = ",".join(["(%s, NULL, %s, %s, %s, %s, %s, NULL)"] * len(entries))
+        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4])]
         rows = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks} RETURNING id", params).fetchall()
         # One statement allocates ids in the order of its rows.
         return sorted(request_id for (request_id,) in rows)
@@ -587,12 +759,12 @@ class PostgresSession:
         }
         return self.db.execute(_CLAIM, params).fetchall
 
-    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int]]:
+    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int, bool]]:
         cursor = self.db.execute(_DUE_AND_LIVE, {"queue": queue})
 
-        def read() -> tuple[float | None, int]:
-            due, running = cursor.fetchone()  # type: ignore[misc]
-            return due, int(due is not None or bool(running))
+        def read() -> tuple[float | None, int, bool]:
+            due, running, paused = cursor.fetchone()  # type: ignore[misc]
+            return due, int(due is not None or bool(running)), bool(paused)
 
         return read
 
@@ -694,6 +866,8 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
                 if statement.strip():
                     db.execute(statement)
             db.execute("INSERT INTO tickler_schema VALUES (%s)", (SCHEMA_VERSION,))
+        else:
+            _migrate(db, schema)
     db.execute(f'SET search_path TO "{schema}"')
     row = db.execute("SELECT version FROM tickler_schema").fetchone()
     if row is None or row[0] != SCHEMA_VERSION:
@@ -701,6 +875,22 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
             f"schema {schema!r} has tickler schema version {row and row[0]}; this tickler"
             f" reads version {SCHEMA_VERSION}"
         )
+
+
+def _migrate(db: psycopg.Connection[Any], schema: str) -> None:
+    """Bring an older schema to SCHEMA_VERSION, one version at a time, in the caller's
+    transaction (which holds the schema's advisory lock)."""
+    row = db.execute(f'SELECT version FROM "{schema}".tickler_schema').fetchone()  # noqa: S608
+    if row is None or row[0] not in _MIGRATIONS:
+        return  # current, or a version _check_schema refuses
+    version = row[0]
+    db.execute(f'SET LOCAL search_path TO "{schema}"')
+    while version in _MIGRATIONS:
+        for statement in _MIGRATIONS[version].split(";"):
+            if statement.strip():
+                db.execute(statement)
+        version += 1
+    db.execute("UPDATE tickler_schema SET version = %s", (version,))
 
 
 _FAILURES = (
@@ -730,8 +920,54 @@ def inspect(dsn: str, schema: str, latest: int) -> dict[str, QueueReport]:
             version = db.execute("SELECT version FROM tickler_schema").fetchone()
         except psycopg.Error:
             raise ValueError(f"schema {schema!r}: not a tickler store") from None
-        if version is None or version[0] != SCHEMA_VERSION:
+        # An older version reads the same, but for the paused flags, which it has none of.
+        if version is None or (version[0] != SCHEMA_VERSION and version[0] not in _MIGRATIONS):
             raise ValueError(f"schema {schema!r}: tickler schema version unknown")
-        return report(lambda sql, params: db.execute(sql, params).fetchall(), _FAILURES, latest)
+        return report(
+            lambda sql, params: db.execute(sql, params).fetchall(),
+            _FAILURES,
+            latest,
+            paused=version[0] >= 2,
+        )
+    finally:
+        db.close()
+
+
+def set_paused(dsn: str, schema: str, queue: str, paused: bool) -> None:
+    """Pause a queue of the schema, or resume it, for every replica: a paused queue's
+    services claim nothing, while what they run goes on. Sends the NOTIFY that wakes
+    the replicas listening. An older schema is brought up to date.
+
+    Raises:
+        ValueError: the server cannot be reached (the message may quote the DSN,
+            password and all), the schema is not a tickler store of a version this
+            knows, or ``queue`` is not a queue name.
+    """
+    import psycopg
+
+    if not isinstance(queue, str):
+        raise TypeError("queue must be a str")
+    check_queue_name(queue, "queue")
+    if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
+        raise ValueError(f"schema {schema!r}: not a tickler schema name")
+    try:
+        db = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except (psycopg.Error, ValueError) as exc:
+        raise ValueError(f"cannot connect: {exc}".strip()) from None
+    try:
+        found = db.execute(
+            "SELECT 1 FROM information_schema.tables"
+            " WHERE table_schema = %s AND table_name = 'tickler_schema'",
+            (schema,),
+        ).fetchone()
+        if found is None:
+            raise ValueError(f"schema {schema!r}: not a tickler store")
+        try:
+            _check_schema(db, schema)
+        except StoreError as exc:
+            raise ValueError(str(exc)) from None
+        with db.transaction():
+            db.execute(_SET_PAUSED, (queue, bool(paused)))
+            db.execute("SELECT pg_notify(%s, %s)", (f"tickler_{schema}", queue))
     finally:
         db.close()

@@ -7,6 +7,7 @@ _sql.run_batch, over SQLite's dialect, SqliteSession.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._codec import Codec
+from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
@@ -23,11 +24,12 @@ from ._sql import (
     INSERT_COLUMNS,
     ROW_COLUMNS,
     SETS,
+    Enqueue,
     QueueReport,
     Statements,
     cancel,
     counts,
-    insert_keyed,
+    enqueue_rows,
     lookup,
     prepare_enqueue,
     report,
@@ -35,7 +37,7 @@ from ._sql import (
     seconds,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Which states a partial index holds, written out as ORs: SQLite builds a
 # temporary table for an IN list of three or more values each time it checks
@@ -58,7 +60,28 @@ _INDEXES_OF_V2 = {
     " WHERE finished_at IS NOT NULL",
 }
 
-_V2_INDEXES = ";\n".join(_INDEXES_OF_V2.values())
+# Version 3's claim index: ready rows in the order they are claimed, the higher priority
+# first. It keeps the name of version 2's, which ordered by run_at alone.
+_READY_INDEX_OF_V3 = (
+    "CREATE INDEX tickler_ready ON tickler_requests (queue, priority DESC, run_at, id)"
+    f" WHERE {_READY}"
+)
+_V3_INDEXES = ";\n".join(
+    _READY_INDEX_OF_V3 if name == "tickler_ready" else create
+    for name, create in _INDEXES_OF_V2.items()
+)
+
+# Version 3's tables besides tickler_requests: each queue's paused flag, and the last
+# tick of each periodic request; each a b-tree on its primary key (WITHOUT ROWID).
+_TABLES_OF_V3 = (
+    "CREATE TABLE IF NOT EXISTS tickler_queues ("
+    " queue TEXT PRIMARY KEY, paused BOOLEAN NOT NULL DEFAULT FALSE) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS tickler_periodic ("
+    " queue TEXT NOT NULL, name TEXT NOT NULL, last_tick REAL NOT NULL,"
+    " PRIMARY KEY (queue, name)) WITHOUT ROWID",
+)
+
+_V3_TABLES = ";\n".join(_TABLES_OF_V3)
 
 _SCHEMA = f"""
 CREATE TABLE tickler_schema (version INTEGER NOT NULL);
@@ -79,43 +102,103 @@ CREATE TABLE tickler_requests (
     finished_at REAL,
     owner TEXT,
     lease_until REAL,
-    cancel_requested INTEGER NOT NULL DEFAULT 0
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    priority INTEGER NOT NULL DEFAULT 0,
+    unique_until REAL
 );
 CREATE INDEX tickler_keys ON tickler_requests (queue, key) WHERE key IS NOT NULL;
 CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
     WHERE state = 'running';
-{_V2_INDEXES};
+{_V3_INDEXES};
+{_V3_TABLES};
 """
 
-# From each older version, the statements that bring a file to the next one.
-_MIGRATIONS = {
-    1: tuple(
-        statement
-        for name, create in _INDEXES_OF_V2.items()
-        for statement in (f"DROP INDEX {name}", create)
-    ),
-}
 
+def _to_v2(db: sqlite3.Connection) -> None:
+    """Version 2: the partial indexes' states written as ORs."""
+    for name, create in _INDEXES_OF_V2.items():
+        db.execute(f"DROP INDEX IF EXISTS {name}")
+        db.execute(create)
+
+
+def _to_v3(db: sqlite3.Connection) -> None:
+    """Version 3: each row's priority and the time until which it holds its key; the claim
+    index in priority order; the queues' paused flags and the periodic requests' ticks.
+
+    Each step is skipped where the file already has it.
+    """
+    columns = {row[1] for row in db.execute("PRAGMA table_info(tickler_requests)")}
+    if "priority" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN priority INTEGER NOT NULL DEFAULT 0")
+    if "unique_until" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN unique_until REAL")
+    db.execute("DROP INDEX IF EXISTS tickler_ready")
+    db.execute(_READY_INDEX_OF_V3)
+    for create in _TABLES_OF_V3:
+        db.execute(create)
+
+
+# From each older version, what brings a file to the next one.
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v2, 2: _to_v3}
+
+# A keyed row, unless its key is held by a row whose unique_until has not come, or live
+# (the conflict with tickler_live_keys).
 _INSERT = f"""
 {INSERT_COLUMNS}
-VALUES (?, ?, ?, ?, ?, ?)
+SELECT ?, ?, ?, ?, ?, ?, ?, ?
+WHERE NOT EXISTS (
+    SELECT 1 FROM tickler_requests
+    WHERE queue = ? AND key = ? AND key IS NOT NULL AND unique_until > ?
+)
 ON CONFLICT (queue, key)
     WHERE key IS NOT NULL AND {_LIVE_STATE}
     DO NOTHING
 RETURNING id
-"""
-
-_LIVE_ID_OF_KEY = f"""
-SELECT id FROM tickler_requests
-WHERE queue = ? AND key = ? AND key IS NOT NULL AND {_LIVE_STATE}
 """  # noqa: S608 (constants only)
+
+# The row holding a key: the live one, else the latest held.
+_HOLDER_OF_KEY = f"""
+SELECT id FROM tickler_requests
+WHERE queue = ? AND key = ? AND key IS NOT NULL AND ({_LIVE_STATE} OR unique_until > ?)
+ORDER BY {_LIVE_STATE} DESC, id DESC LIMIT 1
+"""  # noqa: S608 (constants only)
+
+# enqueue_many_in's holders: (key, id) of the given keys' holders, each key's first.
+_HOLDERS = f"""
+SELECT key, id FROM tickler_requests
+WHERE queue = ? AND key IN (SELECT value FROM json_each(?)) AND key IS NOT NULL
+    AND ({_LIVE_STATE} OR unique_until > ?)
+ORDER BY key, {_LIVE_STATE} DESC, id DESC
+"""  # noqa: S608 (constants only)
+
+# enqueue_many_in's rows, (key, request) each, as many as _MANY_ROWS in one statement:
+# the same words for every full chunk, so one prepared statement. The first six
+# parameters are (queue, state, run_at, enqueued_at (now), priority, unique_until).
+_MANY_ROWS = 1000
+
+
+@functools.cache
+def _many_sql(rows: int) -> str:
+    """enqueue_many_in's INSERT of ``rows`` rows; only placeholders are formatted in."""
+    values = ",".join(["(?, ?)"] * rows)
+    return (
+        f"{INSERT_COLUMNS} SELECT ?1, v.column1, ?2, v.column2, ?3, ?4, ?5,"  # noqa: S608
+        " CASE WHEN v.column1 IS NULL THEN NULL ELSE ?6 END"
+        f" FROM (VALUES {values}) AS v"
+        " WHERE v.column1 IS NULL OR NOT EXISTS ("
+        " SELECT 1 FROM tickler_requests AS h WHERE h.queue = ?1 AND h.key = v.column1"
+        " AND h.key IS NOT NULL AND h.unique_until > ?4)"
+        f" ON CONFLICT (queue, key) WHERE key IS NOT NULL AND {_LIVE_STATE} DO NOTHING"
+        " RETURNING id, key"
+    )
+
 
 _LIVE_WHERE = f"SELECT id, state FROM tickler_requests WHERE queue = ? AND {_LIVE_STATE} AND"  # noqa: S608 (constants only)
 _ROW = f"SELECT {ROW_COLUMNS} FROM tickler_requests"  # noqa: S608 (constants only)
 
 _STATEMENTS = Statements(
     insert=_INSERT,
-    live_id_of_key=_LIVE_ID_OF_KEY,
+    holder_of_key=_HOLDER_OF_KEY,
     renew="UPDATE tickler_requests SET lease_until = ?"
     " WHERE queue = ? AND state = 'running' AND owner = ?",
     mine="SELECT id, cancel_requested FROM tickler_requests"
@@ -129,7 +212,7 @@ _STATEMENTS = Statements(
     # (The scan is on tickler_finished, by finished_at; the queue is a filter on top of it.)
     prune="DELETE FROM tickler_requests WHERE id IN ("  # noqa: S608 (constants only)
     f" SELECT id FROM tickler_requests WHERE queue = ? AND {_FINAL_STATE} AND finished_at < ?"
-    " LIMIT ?)",
+    " AND (unique_until IS NULL OR unique_until <= ?) LIMIT ?)",
     has="SELECT 1 FROM tickler_requests WHERE id = ?",
     row_by_id=f"{_ROW} WHERE queue = ? AND id = ?",
     row_by_key=f"{_ROW} WHERE queue = ? AND key = ?"
@@ -139,41 +222,67 @@ _STATEMENTS = Statements(
     ask_cancel="UPDATE tickler_requests SET cancel_requested = TRUE WHERE id = ?",
     cancel_now="UPDATE tickler_requests SET state = 'cancelled', finished_at = ? WHERE id = ?",
     counts=f"SELECT {COUNTED_STATE} AS s, count(*) FROM tickler_requests"  # noqa: S608 (constants only)
-    " WHERE queue = ? GROUP BY s",
+    " WHERE queue = ? GROUP BY s"
+    " UNION ALL SELECT 'paused', CASE WHEN paused THEN 1 ELSE 0 END FROM tickler_queues"
+    " WHERE queue = ?",
+    set_paused="INSERT INTO tickler_queues (queue, paused) VALUES (?, ?)"
+    " ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused",
+    tick_insert="INSERT INTO tickler_periodic (queue, name, last_tick) VALUES (?, ?, ?)"
+    " ON CONFLICT (queue, name) DO NOTHING RETURNING 1",
+    tick_advance="UPDATE tickler_periodic SET last_tick = ?"
+    " WHERE queue = ? AND name = ? AND last_tick < ? RETURNING 1",
 )
 
-# Ready rows, and rows whose lease expired (their process died), in the
-# order they fell due (run_at): a rescue goes before the backlog queued after
-# it, not behind it.
-_CLAIM = f"""
-UPDATE tickler_requests
-SET state = 'running', owner = :owner, lease_until = :lease_until,
-    attempts = attempts + 1, started_at = NULL
-WHERE id IN (
-    SELECT id FROM (
-        SELECT * FROM (
-            SELECT id, run_at AS due FROM tickler_requests
-            WHERE queue = :queue AND {_READY} AND run_at <= :now
-            ORDER BY run_at, id LIMIT :limit
-        )
-        UNION ALL
-        SELECT * FROM (
-            SELECT id, run_at AS due FROM tickler_requests
-            WHERE queue = :queue AND state = 'running' AND lease_until < :now
-                AND owner <> :owner AND NOT cancel_requested
-            ORDER BY lease_until LIMIT :limit
-        )
-    )
-    ORDER BY due, id LIMIT :limit
-)
-RETURNING id, request, attempts, key, enqueued_at, run_at
+# A claim runs under the file's write lock, in steps. Ready rows are taken
+# priority by priority, the highest first: each priority's rows due by now, in
+# the order they fell due, on tickler_ready, which holds (priority, run_at, id)
+# under each queue, so that rows scheduled for later are never read; and
+# priorities are found one at a time on the same index, each the largest below
+# the last. Rows whose lease expired (their process died) are taken with them,
+# in the same order: a rescue goes before the backlog queued after it.
+_PAUSED = "SELECT paused FROM tickler_queues WHERE queue = ?"
+
+_TOP_PRIORITY = f"SELECT max(priority) FROM tickler_requests WHERE queue = ? AND {_READY}"  # noqa: S608 (constants only)
+
+_NEXT_PRIORITY = f"{_TOP_PRIORITY} AND priority < ?"
+
+_READY_AT = f"""
+SELECT id, priority, run_at FROM tickler_requests
+WHERE queue = :queue AND {_READY} AND priority = :priority AND run_at <= :now
+ORDER BY run_at, id LIMIT :limit
 """  # noqa: S608 (constants only)
 
+_EXPIRED = """
+SELECT id, priority, run_at FROM tickler_requests
+WHERE queue = :queue AND state = 'running' AND lease_until < :now
+    AND owner <> :owner AND NOT cancel_requested
+ORDER BY lease_until LIMIT :limit
+"""
+
+_CLAIM = """
+UPDATE tickler_requests
+SET state = 'running', owner = ?, lease_until = ?, attempts = attempts + 1, started_at = NULL
+WHERE id IN (SELECT value FROM json_each(?))
+RETURNING id, request, attempts, key, enqueued_at, run_at, priority
+"""
+
+# When the next ready row falls due: the earliest run_at of each priority, the
+# priorities found one at a time on tickler_ready (as the claim finds them).
 _DUE_AND_LIVE = f"""
 SELECT
-    (SELECT min(run_at) FROM tickler_requests WHERE queue = :queue AND {_READY}),
+    (WITH RECURSIVE level(p) AS (
+        SELECT max(priority) FROM tickler_requests WHERE queue = :queue AND {_READY}
+        UNION ALL
+        SELECT (SELECT max(priority) FROM tickler_requests
+                WHERE queue = :queue AND {_READY} AND priority < level.p)
+        FROM level WHERE level.p IS NOT NULL
+    )
+    SELECT min((SELECT min(run_at) FROM tickler_requests
+                WHERE queue = :queue AND {_READY} AND priority = level.p))
+    FROM level WHERE level.p IS NOT NULL),
     EXISTS (SELECT 1 FROM tickler_requests WHERE queue = :queue AND {_READY})
-    OR EXISTS (SELECT 1 FROM tickler_requests WHERE queue = :queue AND state = 'running')
+    OR EXISTS (SELECT 1 FROM tickler_requests WHERE queue = :queue AND state = 'running'),
+    coalesce((SELECT paused FROM tickler_queues WHERE queue = :queue), 0)
 """  # noqa: S608 (constants only)
 
 # "succeeded" for requests whose result is None (kept as NULL), given as a
@@ -284,6 +393,8 @@ class SqliteStore:
         *,
         key: object = None,
         delay: float | None = None,
+        priority: int = 0,
+        unique_for: float | None = None,
     ) -> int:
         """Write a request through the caller's connection, inside its open transaction.
 
@@ -292,25 +403,91 @@ class SqliteStore:
         encoded with the codec of the service that runs ``queue`` in this
         process, else as JSON.
 
+        Args:
+            priority: higher runs first: among ready requests, the highest
+                priority is claimed first, then the earliest due. An int in
+                PostgreSQL's integer range (the stores share their limits).
+            unique_for: seconds the key stays taken after this enqueue, even
+                once the request is final (``math.inf``: for ever); retention
+                keeps the row until then. Needs ``key``.
+
         Returns:
-            The new request's id, or the live request's id if ``key`` is live.
+            The new request's id, or the id of the request holding ``key``: its
+            live request, else the latest whose ``unique_for`` has not run out.
 
         Raises:
             StoreError: the file has no tickler schema yet: call
                 ``create_schema()`` first, or start a service on the store.
             ValueError: ``queue`` is over MAX_QUEUE_BYTES, or the encoded
-                ``key`` over MAX_KEY_BYTES (see the class's note on keys).
+                ``key`` over MAX_KEY_BYTES (see the class's note on keys);
+                ``priority`` or ``unique_for`` out of range, or ``unique_for``
+                without ``key``.
+            TypeError: ``priority`` is not an int, ``unique_for`` not a number.
         """
         if not isinstance(connection, sqlite3.Connection):
             raise TypeError("connection must be a sqlite3.Connection")
-        key_text, state, data, run_at, now = prepare_enqueue(
-            self._codecs, queue, request, key, delay
+        keyed = None if key is None else (lambda _: key)
+        prepared = prepare_enqueue(
+            self._codecs, queue, [request], keyed, delay, priority, unique_for
         )
-        params = (queue, key_text, state, data, run_at, now)
+        return self._enqueue(connection, queue, prepared)[0]
+
+    def enqueue_many_in(
+        self,
+        connection: sqlite3.Connection,
+        queue: str,
+        requests: Iterable[object],
+        *,
+        key: Callable[[Any], object] | None = None,
+        delay: float | None = None,
+        priority: int = 0,
+        unique_for: float | None = None,
+    ) -> list[int]:
+        """Write many requests through the caller's connection, inside its open transaction.
+
+        As ``enqueue_in`` for each request, in order, in one statement per
+        1,000 requests. ``key``, if given, is called with each request and
+        gives its key, or None for none. Every request is checked and
+        encoded before anything is written.
+
+        Returns:
+            Each request's id, in order: a request whose key is taken (by a
+            live request, one held by ``unique_for``, or one earlier in
+            ``requests``) gets the holder's.
+
+        Raises:
+            As ``enqueue_in``; TypeError if ``key`` is not callable.
+        """
+        if not isinstance(connection, sqlite3.Connection):
+            raise TypeError("connection must be a sqlite3.Connection")
+        prepared = prepare_enqueue(self._codecs, queue, requests, key, delay, priority, unique_for)
+        return self._enqueue(connection, queue, prepared)
+
+    def _enqueue(self, connection: sqlite3.Connection, queue: str, e: Enqueue) -> list[int]:
+        """Insert prepared requests; their ids. Times are this process's clock."""
+        hold = None if e.unique_for is None else e.now + e.unique_for
+        head = (queue, e.state, e.now + e.delay, e.now, e.priority, hold)
+
+        def insert(rows: list[tuple[str | None, bytes]]) -> list[tuple[int, str | None]]:
+            written: list[tuple[int, str | None]] = []
+            for start in range(0, len(rows), _MANY_ROWS):
+                chunk = rows[start : start + _MANY_ROWS]
+                params = [*head, *(p for row in chunk for p in row)]
+                written.extend(connection.execute(_many_sql(len(chunk)), params).fetchall())
+            return written
+
+        def holders(keys: list[str]) -> dict[str, int]:
+            found: dict[str, int] = {}
+            for key, request_id in connection.execute(
+                _HOLDERS, (queue, json.dumps(keys), e.now)
+            ).fetchall():
+                found.setdefault(key, request_id)
+            return found
+
+        if not e.requests:
+            return []
         try:
-            return int(
-                insert_keyed(connection.execute, _INSERT, _LIVE_ID_OF_KEY, key_text, params)[0]
-            )
+            return enqueue_rows(insert, holders, e.keys, e.requests, f"queue {queue!r}")
         except sqlite3.OperationalError as exc:
             if "no such table: tickler_requests" not in str(exc):
                 raise
@@ -401,8 +578,8 @@ class SqliteSession:
         id costs less than RETURNING.
         """
         # Only placeholders are formatted into the statement.
-        marks = ",".join(["(?, NULL, ?, ?, ?, ?)"] * len(entries))
-        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now)]
+        marks = ",".join(["(?, NULL, ?, ?, ?, ?, ?, NULL)"] * len(entries))
+        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4])]
         cursor = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks}", params)
         count, last = cursor.rowcount, cursor.lastrowid or 0
         if count != len(entries):
@@ -452,16 +629,26 @@ class SqliteSession:
     def claim(
         self, queue: str, owner: str, now: float, lease_until: float, limit: int
     ) -> Callable[[], list[Claimed]]:
-        params = {
-            "owner": owner,
-            "lease_until": lease_until,
-            "now": now,
-            "queue": queue,
-            "limit": limit,
-        }
-        return self.db.execute(_CLAIM, params).fetchall
+        """Claim in steps under the write lock (see _CLAIM): none while the queue is paused;
+        ready rows priority by priority, until ``limit`` are found; expired leases."""
+        x = self.db.execute
+        if (paused := x(_PAUSED, (queue,)).fetchone()) is not None and paused[0]:
+            return list
+        found: list[tuple[int, int, float]] = []
+        priority = x(_TOP_PRIORITY, (queue,)).fetchone()[0]
+        while priority is not None and len(found) < limit:
+            params = {"queue": queue, "priority": priority, "now": now}
+            found.extend(x(_READY_AT, {**params, "limit": limit - len(found)}).fetchall())
+            priority = x(_NEXT_PRIORITY, (queue, priority)).fetchone()[0]
+        params = {"queue": queue, "now": now, "owner": owner, "limit": limit}
+        found.extend(x(_EXPIRED, params).fetchall())
+        if not found:
+            return list
+        found.sort(key=lambda row: (-row[1], row[2], row[0]))
+        ids = json.dumps([row[0] for row in found[:limit]])
+        return x(_CLAIM, (owner, lease_until, ids)).fetchall
 
-    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int]]:
+    def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int, bool]]:
         return self.db.execute(_DUE_AND_LIVE, {"queue": queue}).fetchone
 
     def finals(self, ids: Sequence[int]) -> list[Row]:
@@ -526,8 +713,7 @@ def _migrate(db: sqlite3.Connection) -> tuple[int]:
         # Read again under the write lock: another process may have migrated.
         (version,) = db.execute("SELECT version FROM tickler_schema").fetchone()
         while version in _MIGRATIONS:
-            for statement in _MIGRATIONS[version]:
-                db.execute(statement)
+            _MIGRATIONS[version](db)
             version += 1
         db.execute("UPDATE tickler_schema SET version = ?", (version,))
         db.execute("COMMIT")
@@ -560,9 +746,46 @@ def inspect(path: Path, latest: int) -> dict[str, QueueReport]:
             version = db.execute("SELECT version FROM tickler_schema").fetchone()
         except sqlite3.DatabaseError:
             raise ValueError(f"{path}: not a tickler store") from None
-        # An older version reads the same (a migration changes only indexes).
+        # An older version reads the same, but for the paused flags, which it has none of.
         if version is None or (version[0] != SCHEMA_VERSION and version[0] not in _MIGRATIONS):
             raise ValueError(f"{path}: tickler schema version {version and version[0]} unknown")
-        return report(db.execute, _FAILURES, latest)
+        return report(db.execute, _FAILURES, latest, paused=version[0] >= 3)
     finally:
         db.close()
+
+
+def set_paused(path: Path, queue: str, paused: bool) -> None:
+    """Pause a queue of the file, or resume it, for every process: a paused queue's services
+    claim nothing, while what they run goes on. An older schema is brought up to date.
+
+    Raises:
+        ValueError: the file is missing, not a tickler store, or of a version this does
+            not know; or ``queue`` is not a queue name.
+    """
+    if not isinstance(queue, str):
+        raise TypeError("queue must be a str")
+    check_queue_name(queue, "queue")
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            db.execute("SELECT version FROM tickler_schema").fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        raise ValueError(f"{path}: not a tickler store") from None
+    try:
+        session = SqliteSession(SqliteStore(path))
+    except StoreError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        session.begin()
+        try:
+            session.execute(_STATEMENTS.set_paused, (queue, bool(paused)))
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+    finally:
+        session.close()
