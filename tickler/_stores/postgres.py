@@ -505,8 +505,10 @@ class PostgresStore:
             def write(rows: list[tuple[str | None, bytes]]) -> list[tuple[int, str | None]]:
                 keys = [key for key, _ in rows]
                 requests = [request for _, request in rows]
-                params = {**fixed, "keys": keys, "requests": requests}
-                return cursor.execute(insert, params).fetchall()
+                # Without keys, no array of NULLs: unnest() gives NULL for each
+                # key of a NULL array.
+                params = {**fixed, "keys": keys if any(keys) else None, "requests": requests}
+                return cursor.execute(insert, params, binary=True).fetchall()
 
             def holders(keys: list[str]) -> dict[str, int]:
                 found = cursor.execute(holders_sql, (queue, keys)).fetchall()
@@ -544,7 +546,7 @@ class PostgresStore:
                 " SELECT %(queue)s, u.key, %(state)s, u.request, c.now + %(delay)s::float8,"
                 " c.now, %(priority)s::int4,"
                 " CASE WHEN u.key IS NULL THEN NULL ELSE c.now + %(unique_for)s::float8 END"
-                " FROM unnest(%(requests)s::bytea[], %(keys)s::text[]) WITH ORDINALITY"
+                " FROM unnest(%(requests)b::bytea[], %(keys)b::text[]) WITH ORDINALITY"
                 " AS u(request, key, ord),"
                 " (SELECT extract(epoch FROM statement_timestamp())::float8 AS now) AS c"
                 " WHERE u.key IS NULL OR NOT EXISTS ("
