@@ -1,8 +1,9 @@
-"""python -m tickler inspect never prints a password, whatever the URL."""
+"""python -m tickler: inspect, pause and resume, which never print a password, whatever the URL."""
 
 from __future__ import annotations
 
 import socket
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -136,3 +137,119 @@ def test_sqlite_errors_still_name_the_file(
     missing = tmp_path / "missing.db"
     assert main(["inspect", f"sqlite:///{missing}"]) == 2
     assert capsys.readouterr().err == f"python -m tickler: {missing}: no such file\n"
+
+
+# -- pause and resume
+
+
+def test_pause_and_resume_a_sqlite_queue(tmp_path: Path) -> None:
+    import tickler
+    from tickler._stores._seam import Batch
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    with sqlite3.connect(path) as connection:
+        store.enqueue_in(connection, "jobs", 1)
+    connection.close()
+    url = f"sqlite:///{path}"
+
+    result = inspect("pause", url, "jobs")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"paused queue 'jobs' of {url}: its services claim nothing until it is resumed\n"
+    )
+    shown = inspect("inspect", url).stdout
+    assert shown.startswith("queue 'jobs' (paused): 1 queued, ")
+    session = store.connect()
+    try:
+        assert session.statistics("jobs")["paused"] == 1
+        assert session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed == []
+        result = inspect("resume", url, "jobs")
+        assert (result.returncode, result.stderr) == (0, "")
+        assert result.stdout == f"resumed queue 'jobs' of {url}: its services claim\n"
+        assert inspect("inspect", url).stdout.startswith("queue 'jobs': 1 queued, ")
+        assert len(session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed) == 1
+    finally:
+        session.close()
+    # A queue with no requests yet can be paused, and shows.
+    assert inspect("pause", url, "later").returncode == 0
+    assert "queue 'later' (paused): 0 queued, " in inspect("inspect", url).stdout
+
+
+def test_pause_refuses_what_is_not_a_tickler_store(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    result = inspect("pause", f"sqlite:///{missing}", "jobs")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"python -m tickler: {missing}: no such file\n"
+    assert not missing.exists()
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as connection:
+        connection.execute("CREATE TABLE mine (x)")
+    connection.close()
+    result = inspect("resume", f"sqlite:///{foreign}", "jobs")
+    assert result.returncode == 2
+    assert result.stderr == f"python -m tickler: {foreign}: not a tickler store\n"
+    result = inspect("pause", f"postgres+psycopg://u:{SECRET}@h/db", "jobs")
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert "is neither a sqlite:/// URL nor a postgresql:// DSN" in result.stderr
+
+
+def test_pause_and_resume_a_postgres_queue_without_showing_the_password(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    import psycopg
+    import psycopg.conninfo
+
+    import tickler
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        store.enqueue_in(connection, "jobs", 1)
+    # The server trusts the test's connections: the password is sent, never needed.
+    parts = psycopg.conninfo.conninfo_to_dict(postgres_dsn)
+    url = (
+        f"postgresql://{parts.get('user', 'postgres')}:{SECRET}@{parts.get('host', '127.0.0.1')}"
+        f":{parts.get('port', 5432)}/{parts.get('dbname', 'postgres')}"
+    )
+    shown_url = url.replace(SECRET, "***")
+    with psycopg.connect(postgres_dsn, autocommit=True) as listening:
+        listening.execute(f'LISTEN "tickler_{postgres_schema}"')
+        result = inspect("pause", url, "jobs", "--schema", postgres_schema)
+        assert SECRET not in result.stdout + result.stderr
+        assert (result.returncode, result.stderr) == (0, "")
+        assert result.stdout == (
+            f"paused queue 'jobs' of {shown_url} (schema {postgres_schema!r}):"
+            " its services claim nothing until it is resumed\n"
+        )
+        # The replicas listening are woken.
+        notified = [n.payload for n in listening.notifies(timeout=5, stop_after=1)]
+        assert notified == ["jobs"]
+    shown = inspect("inspect", url, "--schema", postgres_schema)
+    assert SECRET not in shown.stdout + shown.stderr
+    assert shown.stdout.startswith("queue 'jobs' (paused): 1 queued, ")
+    session = store.connect()
+    try:
+        assert session.statistics("jobs")["paused"] == 1
+    finally:
+        session.close()
+    result = inspect("resume", url, "jobs", "--schema", postgres_schema)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith(f"resumed queue 'jobs' of {shown_url} ")
+    assert inspect("inspect", url, "--schema", postgres_schema).stdout.startswith(
+        "queue 'jobs': 1 queued, "
+    )
+    # A schema that is not tickler's is refused, the password hidden.
+    result = inspect("pause", url, "jobs", "--schema", "no_such_schema")
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert result.stderr == "python -m tickler: schema 'no_such_schema': not a tickler store\n"
+
+
+def test_pause_with_a_refused_connection_hides_the_password(closed_port: int) -> None:
+    result = inspect("pause", f"postgresql://u:{SECRET}@127.0.0.1:{closed_port}/db", "jobs")
+    assert SECRET not in result.stdout + result.stderr
+    assert result.returncode == 2
+    assert result.stderr.startswith("python -m tickler: cannot connect: ")

@@ -1,4 +1,9 @@
-"""python -m tickler inspect URL: each queue's counts by status and latest failures.
+"""python -m tickler: look at a store, pause and resume its queues.
+
+- ``inspect URL``: each queue's counts by status and latest failures, and
+  whether it is paused.
+- ``pause URL QUEUE``: the queue's services, in every process, claim nothing
+  more (what they run goes on) until ``resume URL QUEUE``.
 
 URL is sqlite:///relative.db, sqlite:////absolute.db, or a postgresql:// DSN
 (with --schema, "tickler" by default). A password in the URL is never printed:
@@ -83,7 +88,8 @@ def _report(queues: dict[str, QueueReport]) -> str:
         lines.append("no requests")
     for queue, found in queues.items():
         counts = ", ".join(f"{n} {state}" for state, n in found.counts.items())
-        lines.append(f"queue {queue!r}: {counts}")
+        paused = " (paused)" if found.paused else ""
+        lines.append(f"queue {queue!r}{paused}: {counts}")
         for request_id, attempts, error_type, message in found.failures:
             lines.append(
                 f"  failed #{request_id} after {attempts} attempt(s): {error_type}: {message}"
@@ -105,14 +111,54 @@ def inspect_sqlite(path: Path) -> str:
     return _report(sqlite.inspect(path, _LATEST_FAILURES))
 
 
+def set_paused_url(url: str, schema: str, queue: str, paused: bool) -> str:
+    """Pause or resume ``queue`` of the store at ``url``; the line saying what was done.
+
+    Raises ValueError if the store cannot be reached or is not a tickler store.
+    """
+    if url.startswith(("postgresql://", "postgres://")):
+        try:
+            postgres.set_paused(url, schema, queue, paused)
+        except ValueError as exc:
+            raise ValueError(redact(str(exc), [url])) from None
+        where = f"{redact(url, [url])} (schema {schema!r})"
+    elif url.startswith(_PREFIX):
+        sqlite.set_paused(Path(url[len(_PREFIX) :]), queue, paused)
+        where = url
+    else:
+        raise ValueError(
+            f"{redact(url, [url])!r} is neither a sqlite:/// URL nor a postgresql:// DSN"
+        )
+    done = "paused" if paused else "resumed"
+    more = "its services claim nothing until it is resumed" if paused else "its services claim"
+    return f"{done} queue {queue!r} of {where}: {more}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tickler")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser(
+        "inspect", help="print a store's queues, counts and failures, and which are paused"
+    )
+    inspect.add_argument("url", help="sqlite:///path/to/file.db or a postgresql:// DSN")
+    inspect.add_argument("--schema", default="tickler", help="with PostgreSQL (default tickler)")
+    for name, says in [
+        ("pause", "stop every service of a queue from claiming (what runs goes on)"),
+        ("resume", "let a paused queue's services claim again"),
+    ]:
+        command = commands.add_parser(name, help=says)
+        command.add_argument("url", help="sqlite:///path/to/file.db or a postgresql:// DSN")
+        command.add_argument("queue", help="the queue's name (its services' name)")
+        command.add_argument(
+            "--schema", default="tickler", help="with PostgreSQL (default tickler)"
+        )
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; whatever it prints shows the passwords of ``argv`` as ***."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m tickler")
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="print a store's queues, counts and failures")
-    inspect.add_argument("url", help="sqlite:///path/to/file.db or a postgresql:// DSN")
-    inspect.add_argument("--schema", default="tickler", help="with PostgreSQL (default tickler)")
+    parser = _parser()
     # argparse's errors quote what they reject, a URL given without "inspect" say.
     errors = io.StringIO()
     try:
@@ -121,7 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.stderr.write(redact(errors.getvalue(), argv))
     try:
-        print(redact(inspect_url(args.url, args.schema), argv))
+        if args.command == "inspect":
+            done = inspect_url(args.url, args.schema)
+        else:
+            done = set_paused_url(args.url, args.schema, args.queue, args.command == "pause")
+        print(redact(done, argv))
     except ValueError as exc:
         print(redact(f"python -m tickler: {exc}", argv), file=sys.stderr)
         return 2
