@@ -224,11 +224,39 @@ def test_two_processes_inserting_a_held_key_at_once_both_find_the_holder(
     assert results == [(held[0], False)] * 40
 
 
-def test_the_batchs_clock_shift_moves_unique_until_like_run_at(session: Session) -> None:
-    """unique_until is this process's clock: a hold given as now + 1 h holds on any store."""
-    result = run(session, Batch(inserts=[entry(b"1", key='"k"', unique_until=time.time() + 3600)]))
-    finish(session, [result.inserted[0][0]])
-    assert run(session, Batch(inserts=[entry(b"2", key='"k"')])).inserted[0][1] is False
+def test_the_batchs_clock_shift_moves_unique_until_like_run_at(
+    backend: Backend, session: Session
+) -> None:
+    """unique_until is this process's clock, moved onto the store's as run_at is."""
+    until, at = time.time() + 3600, time.time() - 1
+    result = run(session, Batch(inserts=[entry(b"1", key='"k"', unique_until=until, at=at)]))
+    ((stored_until, stored_at),) = backend.select("unique_until, run_at")
+    assert stored_at == pytest.approx(at + result.shift, abs=1e-6)
+    assert stored_until == pytest.approx(until + result.shift, abs=1e-6)
+
+
+def test_enqueue_many_in_of_keys_another_transaction_is_inserting_finds_its_rows(
+    backend: Backend, store: Any
+) -> None:
+    """The second waits for the first's commit, then finds the keys taken: no duplicate."""
+    got: list[int] = []
+    with backend.connect(autocommit=False) as first:
+        ids = store.enqueue_many_in(first, "jobs", ["x", "y", "z"], key=str, unique_for=60)
+
+        def second() -> None:
+            with backend.connect(autocommit=False) as connection:
+                got.extend(store.enqueue_many_in(connection, "jobs", ["z", "w", "x"], key=str))
+                connection.commit()
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        time.sleep(0.3)
+        first.commit()
+        thread.join(30)
+    assert got[0] == ids[2]
+    assert got[2] == ids[0]
+    assert got[1] not in ids
+    assert len(backend.rows()) == 4
 
 
 # -- Pause

@@ -902,7 +902,8 @@ _FAILURES = (
 
 
 def inspect(dsn: str, schema: str, latest: int) -> dict[str, QueueReport]:
-    """Each queue of the schema: its counts and ``latest`` failures, in a read-only session.
+    """Each queue of the schema: its counts, ``latest`` failures and paused flag, in a
+    read-only session.
 
     Raises:
         ValueError: the server cannot be reached (the message may quote the DSN,

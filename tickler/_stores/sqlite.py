@@ -730,7 +730,8 @@ _FAILURES = (
 
 
 def inspect(path: Path, latest: int) -> dict[str, QueueReport]:
-    """Each queue of the file: its counts and ``latest`` failures, read without writing.
+    """Each queue of the file: its counts, ``latest`` failures and paused flag, read without
+    writing.
 
     Raises:
         ValueError: the file is missing, or not a tickler store of a version this reads.
