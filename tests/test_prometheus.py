@@ -47,6 +47,7 @@ GAUGES = {
     "tickler_requests_in_flight": "in_flight",
     "tickler_requests_retrying": "retrying",
     "tickler_capacity": "capacity",
+    "tickler_paused": "paused",
 }
 HISTOGRAMS = {
     "tickler_request_wait_seconds": "wait_time",
@@ -99,7 +100,8 @@ def expected(
         samples[key(f"{name}_count", service=service)] = histogram.count
         samples[key(f"{name}_sum", service=service)] = histogram.sum
     for status, count in (store or {}).items():
-        samples[key("tickler_store_requests", service=service, status=status)] = count
+        if status != "paused":  # shown as tickler_paused
+            samples[key("tickler_store_requests", service=service, status=status)] = count
     if store_up is not None:
         samples[key("tickler_store_up", service=service)] = 1 if store_up else 0
     return samples
@@ -276,6 +278,7 @@ async def settled_store_service(tmp_path: Path) -> AsyncIterator[tickler.Service
             "succeeded": 3,
             "failed": 1,
             "cancelled": 1,
+            "paused": 0,  # a flag beside the counts: 1 while the queue is paused
         }
         with trio.fail_after(10):
             while await service.store_statistics() != settled:
@@ -435,3 +438,14 @@ except ImportError as exc:
         "Service\ntickler.prometheus needs prometheus_client:"
         " pip install 'trio-tickler[prometheus]'\n"
     )
+
+
+async def test_a_paused_service_shows_tickler_paused() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    service = tickler.Service(noop, name="paused")
+    registry.register(tickler.prometheus.Collector(service))
+    samples, _ = parse(prometheus_client.generate_latest(registry).decode())
+    assert samples[key("tickler_paused", service="paused")] == 0
+    service.pause()
+    samples, _ = parse(prometheus_client.generate_latest(registry).decode())
+    assert samples[key("tickler_paused", service="paused")] == 1

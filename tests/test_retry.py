@@ -188,7 +188,11 @@ async def test_a_waiting_retry_holds_no_slot(autojump_clock: trio.abc.Clock) -> 
 async def test_due_retries_run_before_newer_queued_requests(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """A due retry takes the next free slot ahead of requests queued after it."""
+    """A due retry takes the next free slot ahead of requests queued after it fell due.
+
+    Equal priorities start in the order they became ready: a queued request
+    when it was enqueued, a retry when it fell due (the stores' order too).
+    """
     order: list[tuple[str, int]] = []
     attempts: dict[str, int] = {}
 
@@ -206,11 +210,14 @@ async def test_due_retries_run_before_newer_queued_requests(
     async with tickler.open_service(handler, capacity=1, retry=retry) as service:
         service.enqueue_request("flaky")  # fails at t=0, due again at t=1
         service.enqueue_request("blocker")  # holds the slot 0..5
+        service.enqueue_request("old")  # queued before the retry fell due
+        await trio.sleep(2)
         for i in range(3):
-            service.enqueue_request(f"new{i}")
+            service.enqueue_request(f"new{i}")  # queued after it fell due
     assert order == [
         ("flaky", 1),
         ("blocker", 1),
+        ("old", 1),
         ("flaky", 2),
         ("new0", 1),
         ("new1", 1),

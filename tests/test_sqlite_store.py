@@ -619,7 +619,9 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_requests(tmp_path: Pat
         with trio.fail_after(10):
             while (await again.store_statistics())["succeeded"] < 2:
                 await trio.sleep(0.02)
-    assert rows(path, "SELECT version FROM tickler_schema") == [(2,)]
+    from tickler._stores.sqlite import SCHEMA_VERSION
+
+    assert rows(path, "SELECT version FROM tickler_schema") == [(SCHEMA_VERSION,)]
     assert "state IN" not in indexed()
     assert "WHERE finished_at IS NOT NULL" in indexed()
     assert rows(path, "SELECT id, state, result FROM tickler_requests") == [
@@ -628,10 +630,10 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_requests(tmp_path: Pat
     ]
     # A version this tickler does not know is refused, with nothing written.
     connection = sqlite3.connect(path)
-    connection.execute("UPDATE tickler_schema SET version = 3")
+    connection.execute("UPDATE tickler_schema SET version = ?", (SCHEMA_VERSION + 1,))
     connection.commit()
     connection.close()
-    with pytest.raises(tickler.StoreError, match="version 3"):
+    with pytest.raises(tickler.StoreError, match=f"version {SCHEMA_VERSION + 1}"):
         await tickler.Service(double, store=tickler.SqliteStore(path), name="jobs").run()
 
 

@@ -10,6 +10,7 @@ from ._exceptions import RequestFailed as RequestFailed
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
+from ._periodic import Periodic as Periodic
 from ._retry import Retry as Retry
 from ._service import Service as Service
 from ._service import current_service as current_service
@@ -28,6 +29,7 @@ __all__ = [
     "Codec",
     "Histogram",
     "JsonCodec",
+    "Periodic",
     "PostgresStore",
     "QueueFull",
     "RequestCancelled",

@@ -76,6 +76,33 @@ def _check_key(key: object) -> None:
         raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
 
 
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def check_priority(value: object) -> int:
+    """A request's priority, checked: an int in the 32-bit signed range (what a store keeps)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"priority must be an int, not {type(value).__name__}")
+    low, high = PRIORITY_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"priority must be between {low} and {high}")
+    return value
+
+
+def check_unique_for(value: object, key: object) -> float | None:
+    """How long a key stays taken, checked: None, or seconds > 0 (math.inf: for good)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = type(value).__name__
+        raise TypeError(f"unique_for must be a number of seconds or None, not {kind}")
+    if not value > 0:
+        raise ValueError("unique_for must be > 0")
+    if key is None:
+        raise ValueError("unique_for needs a key: it says how long the key stays taken")
+    return float(value)
+
+
 def _format_exception(exc: BaseException) -> str:
     # Log records get the traceback as text: a record that kept the exception
     # would keep its frames, and through them the request, alive.

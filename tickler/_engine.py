@@ -75,6 +75,10 @@ _Coroutine = types.CoroutineType
 _copy_context = contextvars.copy_context
 _new_ticket = object.__new__
 _KEYWORD_ONLY = object()
+# The default priority, compared by identity on the hot path: CPython keeps
+# one object for every int 0, and a bool or float 0 is not it (so it goes
+# the checked way, and is refused).
+_PRIORITY_0 = 0
 
 # A processor that keeps its slot yields to the scheduler after this many
 # requests in a row, even if every handler returned without yielding.
@@ -166,6 +170,9 @@ class _Engine(Generic[RequestT, ResultT]):
       the supervisor loop, and outcomes (an interrupt that ends the run);
     - ``_draining``, whether a stop still takes follow-ups: the same;
     - ``_submitters``, ``submit()`` callers waiting for room: the intake;
+    - ``_paused`` and ``_start_cap`` (the capacity, or 0 while paused):
+      ``Service.pause``/``resume``, and the store side (a pause from any
+      process);
     - ``_retrying``, ``_in_flight``: the engine, outcomes and stopping, as
       requests move between the heap, the slots and their final states.
 
@@ -199,13 +206,16 @@ class _Engine(Generic[RequestT, ResultT]):
         "_nursery",
         "_offset",
         "_outcomes",
+        "_paused",
         "_peak",
         "_queue",
+        "_ready",
         "_retrying",
         "_run_counts",
         "_run_sum",
         "_signal_rx",
         "_signal_tx",
+        "_start_cap",
         "_started",
         "_stopping",
         "_store_run",
@@ -237,9 +247,14 @@ class _Engine(Generic[RequestT, ResultT]):
     _may_start: bool
     _draining: bool
     _submitters: int
+    _paused: bool
+    _start_cap: int
     # the queue
     _lock: threading.Lock
     _queue: collections.deque[Ticket[RequestT, ResultT]]
+    # Requests ready to start that are not plain queued ones at priority 0:
+    # (-priority, ready since, id, ticket), under the lock (see _take_ranked).
+    _ready: list[tuple[int, float, int, Ticket[RequestT, ResultT]]]
     _last_context: tuple[contextvars.Context, tuple[Any, ...], int] | None
     # the cap, the timer heap and the processors
     _limiter: trio.CapacityLimiter
@@ -304,10 +319,13 @@ class _Engine(Generic[RequestT, ResultT]):
         self._draining = False
         # submit() callers waiting for room in the queue.
         self._submitters = 0
+        self._paused = False
+        self._start_cap = capacity
         # The queue. A threading.Lock, not a Trio lock: enqueue_request is
         # also called from threads that are not running Trio.
         self._lock = threading.Lock()
         self._queue = collections.deque()
+        self._ready = []
         # The last context a request was enqueued with: requests enqueued from
         # one unchanged context share one Context object instead of a copy each.
         self._last_context = None
@@ -446,15 +464,23 @@ class _Engine(Generic[RequestT, ResultT]):
         _keyword_only: object = _KEYWORD_ONLY,
         key: Hashable | None = None,
         delay: float | None = None,
+        priority: int = _PRIORITY_0,
+        unique_for: float | None = None,
     ) -> Ticket[RequestT, ResultT]:
         # (The docstring is _ENQUEUE_REQUEST_DOC, below the class.)
-        if key is not None or delay is not None or _keyword_only is not _KEYWORD_ONLY:
+        if (
+            key is not None
+            or delay is not None
+            or priority is not _PRIORITY_0
+            or unique_for is not None
+            or _keyword_only is not _KEYWORD_ONLY
+        ):
             if _keyword_only is not _KEYWORD_ONLY:
                 raise TypeError(
                     "enqueue_request() takes one positional argument, the request;"
-                    " key and delay are keyword-only"
+                    " key, delay, priority and unique_for are keyword-only"
                 )
-            return self._intake.enqueue_keyed(request, key, delay)
+            return self._intake.enqueue_keyed(request, key, delay, priority, unique_for)
         # (Everything below is the hot path. Intake.enqueue_keyed is its twin for
         # keys and delays; _capture_context, the part on contextvars.)
         # tuned (bench: burst, a contextvar set; enqueue): the context is
@@ -536,7 +562,13 @@ class _Engine(Generic[RequestT, ResultT]):
     if TYPE_CHECKING:
 
         def enqueue_request(
-            self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
+            self,
+            request: RequestT,
+            *,
+            key: Hashable | None = None,
+            delay: float | None = None,
+            priority: int = 0,
+            unique_for: float | None = None,
         ) -> Ticket[RequestT, ResultT]:
             """The declared signature."""
             ...
@@ -564,14 +596,16 @@ class _Engine(Generic[RequestT, ResultT]):
 
     @trio.lowlevel.enable_ki_protection
     def _take(self, now: float) -> Ticket[RequestT, ResultT] | None:
-        """Take the next request to start: a due retry or delayed one, else the oldest queued."""
+        """Take the next request to start, the oldest queued one unless others are ready.
+
+        Others are: requests of another priority than 0, and retries and
+        delayed requests that fell due (see _take_ranked).
+        """
         heap = self._heap
         if heap and heap[0][0] <= now:
-            ticket = heapq.heappop(heap)[2]
-            if ticket.status is _SCHEDULED:
-                self._intake.unschedule()
-            else:
-                self._retrying -= 1
+            self._rank_due(now)
+        if self._ready:
+            ticket = self._take_ranked()
         else:
             queue = self._queue
             if not queue:
@@ -595,14 +629,71 @@ class _Engine(Generic[RequestT, ResultT]):
             self._log_dequeued(ticket)
         return ticket
 
+    def _rank_due(self, now: float) -> None:
+        """Move the retries and delayed requests that fell due into the ready heap."""
+        heap = self._heap
+        priority_of = self._intake.priority_of
+        ready = self._ready
+        with self._lock:
+            while heap and heap[0][0] <= now:
+                due, _, ticket = heapq.heappop(heap)
+                heapq.heappush(ready, (-priority_of.get(ticket, 0), due, ticket.id, ticket))
+
+    @trio.lowlevel.enable_ki_protection
+    def _take_ranked(self) -> Ticket[RequestT, ResultT]:
+        """Take the first ready request: by priority, then since when ready, then by id.
+
+        A plain queued request (priority 0) is ready since it was enqueued;
+        a retry or a delayed request since it fell due. The store's claim
+        takes rows in the same order.
+        """
+        ready = self._ready
+        queue = self._queue
+        with self._lock:
+            first = ready[0]
+            if queue:
+                head = queue[0]
+                if (0, head.enqueued_at, head.id) < first[:3]:
+                    ticket = queue.popleft()
+                    if self._submitters:
+                        self._intake.room.unpark()
+                    return ticket
+            heapq.heappop(ready)
+        ticket = first[3]
+        status = ticket.status
+        if status is _SCHEDULED:
+            self._intake.unschedule()
+        elif status is _QUEUED:
+            self._intake.unrank()
+        else:
+            self._retrying -= 1
+        return ticket
+
+    def _set_paused(self, paused: bool) -> None:
+        """Pause or resume starts: paused, nothing new starts, and running attempts go on.
+
+        A request handed to a processor that has not started it goes back
+        unstarted (see _not_started).
+        """
+        if paused == self._paused:
+            return
+        self._paused = paused
+        self._start_cap = 0 if paused else self._capacity
+        if paused:
+            for ticket in self._handed.values():
+                self._doomed.add(ticket)
+                self._intake.deferred.add(ticket)
+        else:
+            self._tickle()
+
     def _log_dequeued(self, ticket: Ticket[RequestT, ResultT]) -> None:
         state = ticket._state
         captured = state if type(state) is _Context else state.context
         _run_in(captured, logger.debug, "request #%d dequeued", ticket.id)
 
     def _dispatch(self) -> float:
-        """Start a processor into every free slot, due retries first; return the time used."""
-        if not self._may_start:
+        """Start a processor into every free slot; return the time used (-inf: none may start)."""
+        if not self._may_start or self._paused:
             return -math.inf
         limiter = self._limiter
         nursery = self._nursery
@@ -629,7 +720,7 @@ class _Engine(Generic[RequestT, ResultT]):
                 _EMPTY_CONTEXT.copy().run(nursery.start_soon, process, ticket, slot)
             if self._debug:
                 logger.debug("replenished: now %d/%d slots in use", self._in_flight, self._capacity)
-        if self._debug and (self._queue or (self._heap and self._heap[0][0] <= now)):
+        if self._debug and (self._queue or self._ready):
             logger.debug(
                 "received loop signal, but request limit is reached"
                 " (%d/%d slots in use, %d queued)",
@@ -704,9 +795,15 @@ class _Engine(Generic[RequestT, ResultT]):
         """A request a processor took ends before it starts; the processor then parks or ends."""
         self._in_flight -= 1
         if ticket in self._doomed:
-            # cancel() took it before it started.
             self._doomed.discard(ticket)
-            self._outcomes.finish_cancelled(ticket, now)
+            deferred = self._intake.deferred
+            if ticket in deferred:
+                # A pause came between its hand-over and its start.
+                deferred.discard(ticket)
+                self._intake.put_back(ticket, now)
+            else:
+                # cancel() took it before it started.
+                self._outcomes.finish_cancelled(ticket, now)
         elif self._withdrawn_only(withdrawable):
             # cancel() took this processor's last attempt away: the request
             # taken next goes back, and the processor ends (its scope is cancelled).
@@ -745,11 +842,13 @@ class _Engine(Generic[RequestT, ResultT]):
         timer = self._timer
         assert timer is not None
         offset, handler, timeout = self._offset, self._handler, self._timeout
-        heap, queue, lock = self._heap, self._queue, self._lock
+        heap, queue, lock, ready = self._heap, self._queue, self._lock, self._ready
         task = trio.lowlevel.current_task()
         stored = self._store_run  # None for the in-memory engine
         outcomes = self._outcomes
-        key_of = self._intake.key_of  # keys of live keyed requests (the dict itself)
+        # Keys and priorities of live requests (the dicts themselves): a request
+        # that has either is released by the intake as it ends.
+        key_of, priority_of = self._intake.key_of, self._intake.priority_of
         # tuned (bench: burst, histograms=True): the histograms' counts, and for each the bucket of
         # the last duration counted with its edges: durations come in runs that share a bucket, and
         # two comparisons cost less than a search.
@@ -850,7 +949,7 @@ class _Engine(Generic[RequestT, ResultT]):
                                 self._run_sum += ran
                             if stored is None:
                                 self._succeeded += 1
-                                if key_of:
+                                if key_of or priority_of:
                                     self._intake.release_key(ticket)
                                 state = ticket._state  # a waiter may have wrapped it meanwhile
                                 ticket._state = (now, result)
@@ -872,13 +971,13 @@ class _Engine(Generic[RequestT, ResultT]):
                             now = offset + timer()
                         if (
                             not self._may_start
-                            or self._in_flight >= self._capacity
+                            or self._in_flight >= self._start_cap
                             or cancel_status.effectively_cancelled
                         ):
                             # (Cancelled: by cancel(), a stop or a crash; the
                             # processor takes nothing more, and ends.)
                             break
-                        if heap and heap[0][0] <= now:
+                        if ready or (heap and heap[0][0] <= now):
                             following = self._take(now)
                             assert following is not None
                             ticket = following
@@ -1000,8 +1099,9 @@ class _Engine(Generic[RequestT, ResultT]):
         self, ticket: Ticket[RequestT, ResultT], status: Status, final: tuple[Any, ...]
     ) -> None:
         """Make ``ticket`` final: ``final`` is its state, starting with finished_at."""
-        if self._intake.key_of:
-            self._intake.release_key(ticket)
+        intake = self._intake
+        if intake.key_of or intake.priority_of:
+            intake.release_key(ticket)
         state = ticket._state
         ticket._state = final
         ticket.status = status
@@ -1022,13 +1122,22 @@ Args:
     delay: seconds (>= 0) before the request may start, or None.
         Until then it is SCHEDULED: it waits in the loop's timer,
         holds no slot, and counts against ``max_queue_length``.
+    priority: an int; a higher priority starts first, equal priorities
+        in the order they became ready (enqueued, or fell due). Strict:
+        a steady stream of higher priorities holds lower ones back. A
+        retry keeps its priority.
+    unique_for: seconds (> 0, ``math.inf`` allowed) for which ``key``
+        stays taken after the request was enqueued, whatever its state:
+        a duplicate gets the original's ticket, even once it is final.
+        Needs ``key``.
 
 Raises:
     QueueFull: ``max_queue_length`` requests are already queued or
         scheduled.
     ServiceClosed: a stop has begun or the run has ended.
-    TypeError, ValueError: ``key`` is not hashable, or ``delay`` is
-        not a finite number >= 0.
+    TypeError, ValueError: ``key`` is not hashable, ``delay`` is not a
+        finite number >= 0, ``priority`` not an int in the 32-bit signed
+        range, or ``unique_for`` not a number > 0 or given without ``key``.
 """
 _Engine.enqueue_request.__doc__ = _ENQUEUE_REQUEST_DOC
 _Engine.enqueue_request.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -1037,5 +1146,7 @@ _Engine.enqueue_request.__signature__ = inspect.Signature(  # type: ignore[attr-
         inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         inspect.Parameter("key", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("delay", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("priority", inspect.Parameter.KEYWORD_ONLY, default=0),
+        inspect.Parameter("unique_for", inspect.Parameter.KEYWORD_ONLY, default=None),
     ]
 )

@@ -315,6 +315,30 @@ class Outcomes:
         attempt = attempt_of_caller()
         return attempt is not None and attempt.withdrawn is ticket
 
+    def take_ready(
+        self, ticket: Ticket[Any, Any] | None, request_id: object
+    ) -> Ticket[Any, Any] | None:
+        """Take ``ticket`` (or the request with ``request_id``) out of the ready heap, if there."""
+        engine = self.engine
+        ready = engine._ready
+        found: Ticket[Any, Any] | None = None
+        with engine._lock:
+            for index, entry in enumerate(ready):
+                if entry[3] is ticket or (request_id is not None and entry[2] == request_id):
+                    found = entry[3]
+                    ready[index] = ready[-1]
+                    ready.pop()
+                    heapq.heapify(ready)
+                    break
+        if found is not None:
+            if found.status is _SCHEDULED:
+                engine._intake.unschedule()
+            elif found.status is _QUEUED:
+                engine._intake.unrank()
+            else:
+                engine._retrying -= 1
+        return found
+
     async def cancel_in_memory(self, id_or_key: int | Hashable) -> bool:
         engine = self.engine
         by_id = isinstance(id_or_key, int) and not isinstance(id_or_key, bool)
@@ -374,6 +398,10 @@ class Outcomes:
                     engine._retrying -= 1
                 self.finish_cancelled(entry, now)
                 return True
+        ranked = self.take_ready(ticket, id_or_key if by_id and ticket is None else None)
+        if ranked is not None:
+            self.finish_cancelled(ranked, now, frees_room=True)
+            return True
         for attempt in list(ATTEMPTS.values()):
             running = attempt.ticket
             if (
@@ -398,6 +426,7 @@ class Outcomes:
         if handed is not None and (ticket is None or handed is ticket):
             del engine._handed[handed.id]
             engine._doomed.add(handed)
+            engine._intake.deferred.discard(handed)  # cancelled, not put back by a pause
             engine._intake.release_key(handed)
             engine._tickle()
             return True

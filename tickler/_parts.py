@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import types
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 import trio
@@ -29,6 +29,9 @@ class IntakePart(Protocol):
 
     keys: dict[object, Ticket[Any, Any]]
     key_of: dict[Ticket[Any, Any], object]
+    priority_of: dict[Ticket[Any, Any], int]
+    deferred: set[Ticket[Any, Any]]
+    ranked: int
     incoming: list[tuple[float, Ticket[Any, Any]]]
     scheduled: int
     room: trio.lowlevel.ParkingLot
@@ -36,13 +39,37 @@ class IntakePart(Protocol):
     deduplicated: int
 
     def enqueue_keyed(
-        self, request: Any, key: Hashable | None, delay: float | None, *, waits: bool = False
+        self,
+        request: Any,
+        key: Hashable | None,
+        delay: float | None,
+        priority: int = 0,
+        unique_for: float | None = None,
+        *,
+        waits: bool = False,
     ) -> Ticket[Any, Any]: ...
+
+    def unrank(self) -> None: ...
+
+    def enqueue_many(
+        self,
+        requests: Iterable[Any],
+        key: Callable[[Any], Hashable | None] | None,
+        unique_for: float | None,
+        priority: int,
+        delay: float | None,
+    ) -> list[Ticket[Any, Any]]: ...
 
     def check_open(self) -> None: ...
 
     async def submit(
-        self, request: Any, *, key: Hashable | None = None, delay: float | None = None
+        self,
+        request: Any,
+        *,
+        key: Hashable | None = None,
+        delay: float | None = None,
+        priority: int = 0,
+        unique_for: float | None = None,
     ) -> Ticket[Any, Any]: ...
 
     def refuse(self, length: int) -> None:
@@ -137,6 +164,10 @@ class StorePart(Protocol):
     pending: list[Any]
     committed: trio.Event
     errors: int
+    pause_wanted: bool | None
+    ticks: list[tuple[str, float, bool, bytes, int]]
+
+    def encode(self, request: Any) -> tuple[bytes, Any]: ...
 
     async def cancel(self, id_or_key: object) -> bool: ...
 
@@ -152,7 +183,18 @@ class StorePart(Protocol):
         ticket: Ticket[Any, Any] | None,
         *,
         waits: bool = False,
+        priority: int = 0,
+        unique_for: float | None = None,
     ) -> Ticket[Any, Any]: ...
+
+    def accept_many(
+        self,
+        requests: list[Any],
+        keys: list[Hashable | None] | None,
+        delay: float | None,
+        priority: int,
+        unique_for: float | None,
+    ) -> list[Ticket[Any, Any]]: ...
 
     def attempt_started(self, request_id: int, scope: trio.CancelScope) -> None: ...
 

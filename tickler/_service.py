@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,6 +25,7 @@ from ._engine import _Engine
 from ._intake import Intake
 from ._outcomes import Outcomes
 from ._parts import StorePart
+from ._periodic import Periodic
 from ._retry import Retry
 from ._statistics import TIME_BUCKETS, Histogram, ServiceStatistics
 from ._stopping import Stopping
@@ -71,6 +72,20 @@ def _check_store(store: object) -> None:
         raise TypeError("store must be a tickler.SqliteStore, a tickler.PostgresStore or None")
 
 
+def _check_periodic(periodic: object) -> tuple[Periodic, ...]:
+    if isinstance(periodic, str | bytes) or not isinstance(periodic, Iterable):
+        raise TypeError("periodic must be an iterable of tickler.Periodic")
+    schedules = tuple(periodic)
+    names: set[str] = set()
+    for each in schedules:
+        if not isinstance(each, Periodic):
+            raise TypeError(f"periodic must hold tickler.Periodic, not {type(each).__name__}")
+        if each.name in names:
+            raise ValueError(f"periodic: two requests are named {each.name!r}; names are unique")
+        names.add(each.name)
+    return schedules
+
+
 def _is_async(fn: object) -> bool:
     """Whether calling ``fn`` makes a coroutine: an async function, or an object with one."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -96,7 +111,11 @@ class Service(_Engine[RequestT, ResultT]):
         retry: a :class:`tickler.Retry` policy, or ``None`` for one attempt.
         on_error: ``on_error(ticket, exc)``, called once after a request's
             final failed attempt; by default the error is logged.
-        name: shown in the repr and in log lines.
+        name: shown in the repr and in log lines; with a store, the queue.
+        store: a :class:`tickler.SqliteStore` or :class:`tickler.PostgresStore`, or None.
+        codec: how a store keeps requests and results (JSON by default).
+        histograms: keep wait and run time histograms in ``statistics()``.
+        periodic: :class:`tickler.Periodic` requests to enqueue on their schedules.
     """
 
     # The engine (its base class) holds the hot state and its parts; the
@@ -116,6 +135,7 @@ class Service(_Engine[RequestT, ResultT]):
         store: Store | None = None,
         codec: Codec | None = None,
         histograms: bool = False,
+        periodic: Iterable[Periodic] = (),
     ) -> None:
         if not callable(handler):
             raise TypeError("handler must be callable")
@@ -138,6 +158,7 @@ class Service(_Engine[RequestT, ResultT]):
             raise TypeError("histograms must be True or False")
         if store is not None:
             _check_store(store)
+        schedules = _check_periodic(periodic)
         if codec is not None:
             if store is None:
                 raise ValueError("codec is for a service with a store; give store= too")
@@ -171,7 +192,13 @@ class Service(_Engine[RequestT, ResultT]):
             self, retry, on_error if on_error is not None else default_on_error
         )
         self._stopping = stopping = Stopping(self, sync)
-        self._supervisor = Supervisor(self, intake, stopping, sync)
+        self._supervisor = Supervisor(self, intake, stopping, sync, schedules)
+        if sync is not None:
+            for each in schedules:
+                try:
+                    self._supervisor.encoded[each.name] = sync.encode(each.request)[0]
+                except TypeError as exc:
+                    raise TypeError(f"periodic request {each.name!r}: {exc}") from None
 
     @property
     def capacity(self) -> int:
@@ -195,6 +222,7 @@ class Service(_Engine[RequestT, ResultT]):
                 f"capacity of service {self.name!r} must be set from the thread running it"
             )
         self._limiter.total_tokens = self._capacity = value
+        self._start_cap = 0 if self._paused else value
         self._tickle()
 
     @property
@@ -226,7 +254,7 @@ class Service(_Engine[RequestT, ResultT]):
     def statistics(self) -> ServiceStatistics:
         """Return a consistent snapshot of the counters. Call it from the Trio thread."""
         with self._lock:
-            queued = len(self._queue)
+            queued = len(self._queue) + self._intake.ranked
             return ServiceStatistics(
                 queued=queued,
                 scheduled=self._intake.scheduled,
@@ -243,6 +271,7 @@ class Service(_Engine[RequestT, ResultT]):
                 rejected=self._intake.rejected,
                 deduplicated=self._intake.deduplicated,
                 store_errors=self._store_run.errors if self._store_run is not None else 0,
+                paused=self._paused,
                 wakeups=self._supervisor.wakeups,
                 peak_queued=max(self._peak, queued),
                 wait_time=Histogram(TIME_BUCKETS, tuple(self._wait_counts), self._wait_sum)
@@ -252,6 +281,68 @@ class Service(_Engine[RequestT, ResultT]):
                 if self._histograms
                 else None,
             )
+
+    def enqueue_many(
+        self,
+        requests: Iterable[RequestT],
+        *,
+        key: Callable[[RequestT], Hashable | None] | None = None,
+        unique_for: float | None = None,
+        priority: int = 0,
+        delay: float | None = None,
+    ) -> list[Ticket[RequestT, ResultT]]:
+        """Queue every request of ``requests``, or none; return their tickets, in order.
+
+        All or nothing: if the queue has no room for all of them
+        (``max_queue_length``), QueueFull is raised and none is enqueued.
+        ``key``, if given, is called with each request and returns its key
+        (or None for none); a request whose key is taken, or repeated
+        earlier in ``requests``, gets the holder's ticket, as
+        ``enqueue_request`` would. ``unique_for``, ``priority`` and
+        ``delay`` apply to every request. Never blocks; one lock and one
+        wake-up for the lot, so it costs far less per request than a loop
+        of ``enqueue_request``.
+
+        Raises:
+            QueueFull: not all of them fit.
+            ServiceClosed: a stop has begun or the run has ended.
+            TypeError, ValueError: as ``enqueue_request``; also ``requests``
+                that is not an iterable (or is a str), or ``key`` that is
+                not callable.
+        """
+        return self._intake.enqueue_many(requests, key, unique_for, priority, delay)
+
+    def pause(self) -> None:
+        """Start nothing new until :meth:`resume`; running attempts finish.
+
+        Enqueueing still works (periodic ticks too), retries and delayed
+        requests wait, and ``stop()`` works as usual (a drain then waits
+        only for what runs). With a store the pause holds for the queue in
+        every process, including those that start later, within their
+        ``poll_interval``; ``python -m tickler pause URL QUEUE`` does the
+        same from a shell. Call it from the Trio thread.
+        """
+        self._pause(True)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause` (with a store, for every process of the queue)."""
+        self._pause(False)
+
+    @property
+    def paused(self) -> bool:
+        """Whether starts are paused; with a store, as of this process's last look."""
+        return self._paused
+
+    def _pause(self, paused: bool) -> None:
+        if self._thread is not None and self._thread != _get_ident():
+            raise RuntimeError(
+                f"service {self.name!r} must be paused or resumed from the thread running it"
+            )
+        self._set_paused(paused)
+        stored = self._store_run
+        if stored is not None:
+            stored.pause_wanted = paused  # written by the next batch
+            self._tickle()
 
     @property
     def stopping(self) -> trio.Event:
@@ -268,7 +359,13 @@ class Service(_Engine[RequestT, ResultT]):
         await self._supervisor.run(task_status=task_status)
 
     async def submit(
-        self, request: RequestT, *, key: Hashable | None = None, delay: float | None = None
+        self,
+        request: RequestT,
+        *,
+        key: Hashable | None = None,
+        delay: float | None = None,
+        priority: int = 0,
+        unique_for: float | None = None,
     ) -> Ticket[RequestT, ResultT]:
         """Like :meth:`enqueue_request`, but wait for room when the queue is full.
 
@@ -287,7 +384,9 @@ class Service(_Engine[RequestT, ResultT]):
             ServiceClosed: the service is closed, or closes while it waits.
             RuntimeError: called from a different Trio run than the service's.
         """
-        return await self._intake.submit(request, key=key, delay=delay)
+        return await self._intake.submit(
+            request, key=key, delay=delay, priority=priority, unique_for=unique_for
+        )
 
     async def join(self) -> None:
         """Wait until nothing is queued, retrying or in flight; close nothing.
@@ -427,6 +526,7 @@ async def open_service(
     store: Store | None = None,
     codec: Codec | None = None,
     histograms: bool = False,
+    periodic: Iterable[Periodic] = (),
     shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Service[RequestT, ResultT]]:
     """Run a :class:`Service` for the duration of an ``async with`` block.
@@ -447,6 +547,7 @@ async def open_service(
         store=store,
         codec=codec,
         histograms=histograms,
+        periodic=periodic,
     )
     body_error: BaseException | None = None
     try:

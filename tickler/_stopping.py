@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import trio
 
-from ._core import _SCHEDULED, _check_timeout
+from ._core import _QUEUED, _SCHEDULED, _check_timeout
 from ._current import ATTEMPTS
 from ._engine import _Engine
 from ._stores._sync import StoreSync
@@ -130,6 +130,7 @@ class Stopping:
         return (
             not engine._queue
             and not engine._heap
+            and not engine._ready
             and not engine._intake.incoming
             and engine._in_flight == 0
             and (stored is None or not stored.has_work())
@@ -182,6 +183,17 @@ class Stopping:
             else:
                 engine._retrying -= 1
             engine._outcomes.cancel(ticket, now)
+        ready = engine._ready
+        while ready:
+            with engine._lock:
+                ticket = heapq.heappop(ready)[3]
+            if ticket.status is _SCHEDULED:
+                engine._intake.unschedule()
+            elif ticket.status is _QUEUED:
+                engine._intake.unrank()
+            else:
+                engine._retrying -= 1
+            engine._outcomes.cancel(ticket, now)
 
     def close(self) -> None:
         """Refuse every enqueue from now on; submit() callers waiting for room get ServiceClosed."""
@@ -216,7 +228,12 @@ class Stopping:
         """
         engine = self.engine
         if engine._in_flight <= len(self.insiders) and (
-            (not engine._queue and not engine._heap and not engine._intake.incoming)
+            (
+                not engine._queue
+                and not engine._heap
+                and not engine._ready
+                and not engine._intake.incoming
+            )
             or engine._in_flight >= engine._capacity
         ):
             self.quiet.set()

@@ -22,8 +22,9 @@ import trio
 from . import _lowlevel
 from ._core import _get_ident, logger, wall_clock
 from ._engine import _Engine
-from ._exceptions import ServiceClosed
+from ._exceptions import QueueFull, ServiceClosed
 from ._intake import Intake
+from ._periodic import Periodic
 from ._stopping import Stopping
 from ._stores._sync import StoreSync
 
@@ -36,7 +37,57 @@ class Supervisor:
     intake: Intake
     stopping: Stopping
     sync: StoreSync | None
+    periodic: tuple[Periodic, ...] = ()
     wakeups: int = 0
+    # The next tick of each periodic request, in seconds since the epoch; and
+    # the wall clock as read from Trio's (wall, Trio) at the run's start.
+    next_ticks: dict[str, float] = attrs.Factory(dict)
+    anchor: tuple[float, float] = (0.0, 0.0)
+    # With a store: each periodic request as the store keeps it.
+    encoded: dict[str, bytes] = attrs.Factory(dict)
+
+    def start_ticks(self, trio_now: float) -> None:
+        """Schedule every periodic request's next tick; with a store, ask for a catch-up run.
+
+        The wall clock of the ticks is read from Trio's clock, anchored to
+        time.time() once per run: a step of the wall clock moves no tick, and
+        in tests a virtual clock moves them all.
+        """
+        wall = time.time()
+        self.anchor = (wall, trio_now)
+        for each in self.periodic:
+            self.next_ticks[each.name] = each.next_tick(wall)
+            if self.sync is not None:
+                # A tick missed while no replica ran: one run for all of them,
+                # if the store has seen the schedule before (see Batch.ticks).
+                data = self.encoded[each.name]
+                self.sync.ticks.append((each.name, each.last_tick(wall), True, data, each.priority))
+
+    def tick(self, trio_now: float) -> float:
+        """Enqueue the periodic requests whose tick has come; return Trio's time of the next."""
+        engine = self.engine
+        wall = self.anchor[0] + (trio_now - self.anchor[1])
+        for each in self.periodic:
+            if self.next_ticks[each.name] > wall or engine._closed:
+                continue
+            tick = each.last_tick(wall)  # ticks missed meanwhile collapse into this one
+            self.next_ticks[each.name] = each.next_tick(wall)
+            if self.sync is not None:
+                data = self.encoded[each.name]
+                self.sync.ticks.append((each.name, tick, False, data, each.priority))
+                continue
+            try:
+                self.intake.enqueue_keyed(each.request, None, None, each.priority)
+            except (QueueFull, ServiceClosed) as exc:
+                logger.warning(
+                    "service %r: the tick of periodic request %r was refused: %s",
+                    engine.name,
+                    each.name,
+                    exc,
+                )
+        if not self.next_ticks:
+            return math.inf
+        return self.anchor[1] + (min(self.next_ticks.values()) - self.anchor[0])
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Service.run (see its docstring): open the store, then the loop, until a stop."""
@@ -72,6 +123,10 @@ class Supervisor:
             if stored is not None:
                 for pending in stored.pending:
                     pending[6].enqueued_at = now
+            for _, _, _, ticket in engine._ready:
+                ticket.enqueued_at = now
+        if self.periodic:
+            self.start_ticks(now)
         try:
             async with trio.open_nursery() as nursery:
                 engine._nursery = nursery
@@ -109,6 +164,11 @@ class Supervisor:
             while True:
                 if intake.incoming:
                     intake.schedule_incoming()
+                tick_at = math.inf
+                if self.periodic:
+                    trio_now = engine._time()
+                    assert trio_now is not None
+                    tick_at = self.tick(trio_now)
                 looked = False
                 if stored is not None:
                     exchanged = await stored.exchange()
@@ -139,8 +199,10 @@ class Supervisor:
                 # very instant: a later reading would miss a request that
                 # fell due in between.)
                 wake_at = stopping.stop_deadline
-                if heap and engine._may_start and heap[0][0] > dispatched_at:
+                # (Paused, nothing starts: a resume tickles.)
+                if heap and engine._may_start and not engine._paused and heap[0][0] > dispatched_at:
                     wake_at = min(wake_at, heap[0][0])
+                wake_at = min(wake_at, tick_at)
                 if stored is not None:
                     wake_at = min(wake_at, stored.next_look())
                 await self.sleep(receive, wake_at)

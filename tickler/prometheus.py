@@ -87,6 +87,11 @@ _GAUGES = (
     ),
     ("tickler_requests_retrying", "retrying", "Requests waiting for their next attempt."),
     ("tickler_capacity", "capacity", "The cap on attempts in flight."),
+    (
+        "tickler_paused",
+        "paused",
+        "1 while starts are paused (Service.pause, or with a store any process or the CLI).",
+    ),
 )
 _MAX_QUEUE_LENGTH = (
     "tickler_max_queue_length",
@@ -306,7 +311,8 @@ class Collector:
         for reading in readings:
             if reading.store is not None:
                 for status, count in reading.store.items():
-                    store.add_metric([reading.name, status], count)
+                    if status != "paused":  # a flag, not a status: tickler_paused
+                        store.add_metric([reading.name, status], count)
             if reading.store_up is not None:
                 up.add_metric([reading.name], 1 if reading.store_up else 0)
         yield store

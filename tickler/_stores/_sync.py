@@ -117,6 +117,10 @@ class StoreSync:
     last_error: str = ""  # the last failed batch's error, in one line
     # A batch is in flight: what it took from pending is not in the store yet.
     committing: bool = False
+    # A pause or resume of this process's, for the next batch to write.
+    pause_wanted: bool | None = None
+    # Periodic ticks for the next batch: see Batch.ticks.
+    ticks: list[tuple[str, float, bool, bytes, int]] = attrs.Factory(list)
 
     def attempt_started(self, request_id: int, scope: trio.CancelScope) -> None:
         """An attempt started here, under ``scope``: the loop may take it away through it."""
@@ -167,8 +171,11 @@ class StoreSync:
         started = (
             [i for i in self.scopes if i not in marked] if len(marked) < len(self.scopes) else ()
         )
+        ticks, self.ticks = self.ticks, []
         batch = Batch(
             inserts=pending,
+            pause=self.pause_wanted,
+            ticks=ticks,
             outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
             claim=claim,
             started=started,
@@ -263,7 +270,12 @@ class StoreSync:
         # a cancel() settles.
         ahead = min(2 * len(self.outcomes), _AHEAD * engine._capacity)
         free = engine._capacity + ahead - engine._in_flight - len(engine._queue)
-        claiming = engine._may_start and not engine._stopping.stop_called and not self.holds
+        claiming = (
+            engine._may_start
+            and not engine._paused
+            and not engine._stopping.stop_called
+            and not self.holds
+        )
         claim = free if claiming and free > 0 else 0
         # Looks are scheduled on Trio's clock, never the wall clock: a step
         # of the wall clock must not stall the loop.
@@ -271,10 +283,18 @@ class StoreSync:
         # After a failed batch, each insert goes in a savepoint of its own:
         # a row the store refuses cannot hold back the others.
         batch.isolate = self.failures > 0
-        if not (batch.inserts or batch.outcomes or batch.claim or batch.renew):
+        if not (
+            batch.inserts
+            or batch.outcomes
+            or batch.claim
+            or batch.renew
+            or batch.ticks
+            or batch.pause is not None
+        ):
             return False
         result = await self._try_batch(batch, pending, outcomes)
         if result is None:
+            self.ticks[:0] = batch.ticks  # taken again by the next batch: each at most once
             delay = min(0.05 * 2 ** min(self.failures, 10), 5.0)
             # A stop's deadline still holds: the final flush then keeps
             # trying to commit what was accepted.
@@ -285,6 +305,11 @@ class StoreSync:
             await trio.sleep_until(min(now + delay, engine._stopping.stop_deadline))
             return None
         self.marked.update(batch.started)
+        if batch.pause is not None and self.pause_wanted is batch.pause:
+            self.pause_wanted = None
+        if self.pause_wanted is None:
+            # A pause or resume from any process, this one's once written.
+            engine._set_paused(result.paused)
         looked = batch.finished_since is not None
         if looked:
             # Overlapping looks: a clock step back loses nothing.
@@ -704,6 +729,8 @@ class StoreSync:
         ticket: Ticket[Any, Any] | None,
         *,
         waits: bool = False,
+        priority: int = 0,
+        unique_for: float | None = None,
     ) -> Ticket[Any, Any]:
         """A request accepted (enqueue_request, submit): encoded now, committed by the next batch.
 
@@ -714,22 +741,7 @@ class StoreSync:
         key_text = encode_key(key) if key is not None else None
         if delay is not None:
             delay = _check_delay(delay)
-        try:
-            data = self.codec.encode(request)
-        except TypeError:
-            raise
-        except Exception as exc:
-            raise TypeError(f"the codec cannot encode {type(request).__name__}: {exc}") from exc
-        if not isinstance(data, bytes):
-            raise TypeError(f"codec.encode must return bytes, not {type(data).__name__}")
-        # The handler gets what every process would read from the store: the
-        # codec's round trip, here too (a tuple comes back a list, say).
-        try:
-            request = self.codec.decode(data)
-        except Exception as exc:
-            raise TypeError(
-                f"the codec cannot decode what it encoded of a {type(request).__name__}: {exc}"
-            ) from exc
+        data, request = self.encode(request)
         status = _QUEUED if delay is None else _SCHEDULED
         if ticket is None:
             context = engine._capture_context()
@@ -737,7 +749,9 @@ class StoreSync:
         else:
             ticket.request = request
             ticket.status = status
-        run_at = wall_clock() + (delay or 0.0)
+        enqueued_at = wall_clock()
+        run_at = enqueued_at + (delay or 0.0)
+        unique_until = enqueued_at + unique_for if unique_for is not None else None
         with engine._lock:
             engine._intake.check_open()
             bound = engine.max_queue_length
@@ -752,13 +766,84 @@ class StoreSync:
             ticket.enqueued_at = engine._time()
             ticket.id = 0
             engine._last_id += 1
-            self.pending.append((key_text, status.value, data, run_at, 0, None, ticket))
+            self.pending.append(
+                (key_text, status.value, data, run_at, priority, unique_until, ticket)
+            )
             self.accepted += 1
             if engine._thread == _get_ident():
                 engine._tickle()
             else:
                 engine._wake_from_thread()
         return ticket
+
+    def encode(self, request: Any) -> tuple[bytes, Any]:
+        """The request as the store keeps it, and as every process reads it back."""
+        try:
+            data = self.codec.encode(request)
+        except TypeError:
+            raise
+        except Exception as exc:
+            raise TypeError(f"the codec cannot encode {type(request).__name__}: {exc}") from exc
+        if not isinstance(data, bytes):
+            raise TypeError(f"codec.encode must return bytes, not {type(data).__name__}")
+        # The handler gets what every process would read from the store: the
+        # codec's round trip, here too (a tuple comes back a list, say).
+        try:
+            decoded = self.codec.decode(data)
+        except Exception as exc:
+            raise TypeError(
+                f"the codec cannot decode what it encoded of a {type(request).__name__}: {exc}"
+            ) from exc
+        return data, decoded
+
+    def accept_many(
+        self,
+        requests: list[Any],
+        keys: list[Hashable | None] | None,
+        delay: float | None,
+        priority: int,
+        unique_for: float | None,
+    ) -> list[Ticket[Any, Any]]:
+        """enqueue_many with a store: all accepted into pending, or none (QueueFull).
+
+        Keys are settled by the store's batch: a key taken there, or
+        repeated here, gives a ticket that follows its holder.
+        """
+        engine = self.engine
+        key_texts = [encode_key(k) if k is not None else None for k in keys or ()]
+        encoded = [self.encode(request) for request in requests]
+        status = _QUEUED if delay is None else _SCHEDULED
+        context = engine._capture_context()
+        enqueued_at = wall_clock()
+        run_at = enqueued_at + (delay or 0.0)
+        unique_until = enqueued_at + unique_for if unique_for is not None else None
+        tickets: list[Ticket[Any, Any]] = []
+        with engine._lock:
+            engine._intake.check_open()
+            bound = engine.max_queue_length
+            if bound is not None and len(self.pending) + len(requests) > bound:
+                engine._intake.rejected += len(requests)
+                engine._last_context = None
+                raise QueueFull(
+                    f"service {engine.name!r} has room for"
+                    f" {max(bound - len(self.pending), 0)} more requests waiting to be"
+                    f" committed, not {len(requests)}; none was enqueued"
+                )
+            now = engine._time()
+            for index, (data, decoded) in enumerate(encoded):
+                ticket: Ticket[Any, Any] = Ticket(decoded, 0, status, 0, now, None, context)
+                key_text = key_texts[index] if key_texts else None
+                self.pending.append(
+                    (key_text, status.value, data, run_at, priority, unique_until, ticket)
+                )
+                tickets.append(ticket)
+            engine._last_id += len(tickets)
+            self.accepted += len(tickets)
+            if engine._thread == _get_ident():
+                engine._tickle()
+            else:
+                engine._wake_from_thread()
+        return tickets
 
     # -- what ended: recorded here, written by the next batch, which then finishes tickets
 
