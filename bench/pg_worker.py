@@ -10,7 +10,8 @@
 - ``latency``: run an idle worker whose handler prints, for each request, the
   time from the stamp in the request (``time.time_ns()`` at its enqueue) to
   the handler's start; say ``ready`` once it listens.
-- ``enqueue``: time the system's ways to enqueue, print them, and exit.
+- ``enqueue``: time the system's ways to enqueue, print them, and exit (the
+  batches' rates are lists: one a repeat).
 
 bench/postgres.py starts it with ``sys.executable`` on a schema it has just
 emptied, and reads its JSON lines on stdout. Each system runs under its own
@@ -96,14 +97,19 @@ async def tickler_worker(config: dict[str, Any], mode: str) -> None:
     emit(done=True, succeeded=stats.succeeded)
 
 
-async def tickler_enqueue(config: dict[str, Any]) -> dict[str, float]:
-    """Requests a second: submit in parallel; enqueue_in alone per transaction, and batched."""
+async def tickler_enqueue(config: dict[str, Any]) -> dict[str, Any]:
+    """Requests a second: submit in parallel; enqueue_in alone per transaction; and batched.
+
+    Batched: ``batch`` enqueue_in calls in one transaction, and one
+    enqueue_many_in of ``batch`` requests, each ``repeats`` times (a list of
+    rates each).
+    """
     store = tickler.PostgresStore(config["dsn"], schema=config["schema"])
 
     async def held(request: int) -> None:
         await trio.sleep_forever()
 
-    rates: dict[str, float] = {}
+    rates: dict[str, Any] = {}
     # capacity=1 and a handler that holds its slot: once the first request
     # runs, every batch only writes (nothing to claim), so the rate is the
     # enqueue path's alone.
@@ -127,12 +133,21 @@ async def tickler_enqueue(config: dict[str, Any]) -> dict[str, float]:
             with db.transaction():
                 store.enqueue_in(db, QUEUE, i)
         rates["each"] = n / (time.perf_counter() - start)
+        # `batch` requests in one transaction, COMMIT included: by as many
+        # enqueue_in calls (batch), and by one enqueue_many_in (many). Each
+        # is repeated, the two taking turns as to which goes first.
         n = config["batch"]
-        start = time.perf_counter()
-        with db.transaction():
-            for i in range(n):
-                store.enqueue_in(db, QUEUE, i)
-        rates["batch"] = n / (time.perf_counter() - start)
+        rates["batch"], rates["many"] = [], []
+        for repeat in range(config["repeats"]):
+            for kind in ("batch", "many") if repeat % 2 == 0 else ("many", "batch"):
+                start = time.perf_counter()
+                with db.transaction():
+                    if kind == "many":
+                        store.enqueue_many_in(db, QUEUE, range(n))
+                    else:
+                        for i in range(n):
+                            store.enqueue_in(db, QUEUE, i)
+                rates[kind].append(n / (time.perf_counter() - start))
     return rates
 
 
@@ -198,13 +213,13 @@ async def pgqueuer_worker(config: dict[str, Any], mode: str) -> None:
     emit(done=True)
 
 
-async def pgqueuer_enqueue(config: dict[str, Any]) -> dict[str, float]:
-    """Requests a second: concurrent calls over a pool; one call at a time; one batch."""
+async def pgqueuer_enqueue(config: dict[str, Any]) -> dict[str, Any]:
+    """Requests a second: concurrent calls over a pool; one call at a time; one batch, repeated."""
     import asyncpg
     from pgqueuer import AsyncpgDriver, AsyncpgPoolDriver, Queries
 
     await pgqueuer_install(config)
-    rates: dict[str, float] = {}
+    rates: dict[str, Any] = {}
     pool = await asyncpg.create_pool(
         config["dsn"], server_settings={"search_path": config["schema"]}
     )  # asyncpg's default size: 10
@@ -225,9 +240,12 @@ async def pgqueuer_enqueue(config: dict[str, Any]) -> dict[str, float]:
             await queries.enqueue(QUEUE, str(i).encode())
         rates["each"] = n / (time.perf_counter() - start)
         n = config["batch"]
-        start = time.perf_counter()
-        await queries.enqueue([QUEUE] * n, [str(i).encode() for i in range(n)], [0] * n)
-        rates["batch"] = n / (time.perf_counter() - start)
+        rates["batch"] = []
+        for _ in range(config["repeats"]):
+            start = time.perf_counter()
+            # Its one-call batch: one statement (autocommitted) for every job.
+            await queries.enqueue([QUEUE] * n, [str(i).encode() for i in range(n)], [0] * n)
+            rates["batch"].append(n / (time.perf_counter() - start))
     finally:
         await connection.close()
     return rates
@@ -289,11 +307,11 @@ async def procrastinate_worker(config: dict[str, Any], mode: str) -> None:
     emit(done=True)
 
 
-async def procrastinate_enqueue(config: dict[str, Any]) -> dict[str, float]:
-    """Requests a second: concurrent defers over its pool; one defer at a time; one batch."""
+async def procrastinate_enqueue(config: dict[str, Any]) -> dict[str, Any]:
+    """Requests a second: concurrent defers over its pool; one at a time; one batch, repeated."""
     await procrastinate_install(config)
     app = procrastinate_app(config, "enqueue")
-    rates: dict[str, float] = {}
+    rates: dict[str, Any] = {}
     async with app.open_async():  # psycopg_pool's default size: 4
         task = app.tasks["noop"]
         n = config["submits"]
@@ -306,9 +324,11 @@ async def procrastinate_enqueue(config: dict[str, Any]) -> dict[str, float]:
             await task.defer_async(stamp=i)
         rates["each"] = n / (time.perf_counter() - start)
         n = config["batch"]
-        start = time.perf_counter()
-        await task.batch_defer_async(*({"stamp": i} for i in range(n)))
-        rates["batch"] = n / (time.perf_counter() - start)
+        rates["batch"] = []
+        for _ in range(config["repeats"]):
+            start = time.perf_counter()
+            await task.batch_defer_async(*({"stamp": i} for i in range(n)))
+            rates["batch"].append(n / (time.perf_counter() - start))
     return rates
 
 

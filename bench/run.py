@@ -19,6 +19,8 @@ import gc
 import importlib
 import os
 import platform
+import signal
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -76,6 +78,12 @@ try:
 except ImportError:  # the `bench` extra is optional
     aiojobs = None  # type: ignore[assignment]
 
+try:  # huey ships no types
+    import huey  # type: ignore[import-untyped,unused-ignore]
+    import huey.consumer  # type: ignore[import-untyped,unused-ignore]
+except ImportError:  # the `bench` extra is optional
+    huey = None
+
 
 @dataclass
 class Config:
@@ -87,6 +95,9 @@ class Config:
     fill: int = 1_000_000
     memory: int = 100_000
     submits: int = 300
+    # SQLite drains, tickler's and huey's: requests in the file before the
+    # worker starts (huey takes a commit per request, so fewer than a burst).
+    sqlite_drain: int = 10_000
     rounds: int = 5
     postgres: postgres.PgConfig = field(default_factory=postgres.PgConfig)
 
@@ -99,6 +110,7 @@ QUICK = Config(
     fill=10_000,
     memory=2_000,
     submits=20,
+    sqlite_drain=300,
     rounds=2,
     postgres=postgres.QUICK,
 )
@@ -112,12 +124,18 @@ async def _checkpoint_handler(request: object) -> None:
 
 
 async def burst_tickler(
-    n: int, concurrency: int, context_per_request: bool = False, histograms: bool = False
+    n: int,
+    concurrency: int,
+    context_per_request: bool = False,
+    histograms: bool = False,
+    priorities: bool = False,
 ) -> tuple[float, float]:
     """Seconds for the burst, and wake-ups per request.
 
     With context_per_request, each request is enqueued from a context of its
-    own (see in_own_context), so each carries a distinct Context.
+    own (see in_own_context), so each carries a distinct Context. With
+    priorities, every other request is enqueued with priority=1 (half of
+    them, interleaved with the priority-0 half).
     """
     service = tickler.Service(
         _checkpoint_handler, capacity=concurrency, max_queue_length=None, histograms=histograms
@@ -130,6 +148,12 @@ async def burst_tickler(
         if context_per_request:
             for i in range(n):
                 in_own_context(enqueue, i)
+        elif priorities:
+            for i in range(0, n - 1, 2):
+                enqueue(i)
+                enqueue(i + 1, priority=1)
+            if n % 2:
+                enqueue(n - 1)
         else:
             for i in range(n):
                 enqueue(i)
@@ -163,6 +187,133 @@ async def burst_sqlite(n: int, concurrency: int) -> float:
     stats = service.statistics()
     assert stats.succeeded == n, stats
     return elapsed
+
+
+# -- SQLite: a drain of requests already in the file, tickler and huey -------------
+
+QUEUE = "bench"
+
+
+def _prefill_tickler(path: Path, n: int) -> tickler.SqliteStore:
+    """A FULL SqliteStore at path holding n requests, written in one transaction."""
+    store = tickler.SqliteStore(path, synchronous="FULL")
+    store.create_schema()
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("BEGIN")
+        store.enqueue_many_in(db, QUEUE, range(n))
+        db.execute("COMMIT")
+    finally:
+        db.close()
+    return store
+
+
+async def drain_sqlite(n: int, concurrency: int) -> float:
+    """Seconds from the service's start to the last outcome committed, n requests queued first."""
+    with tempfile.TemporaryDirectory() as directory:
+        store = _prefill_tickler(Path(directory) / "queue.db", n)
+        service = tickler.Service(
+            _checkpoint_handler,
+            capacity=concurrency,
+            max_queue_length=None,
+            store=store,
+            name=QUEUE,
+        )
+        gc.collect()
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            await service.join()  # nothing of the queue is live in the store
+            elapsed = time.perf_counter() - start
+            await service.stop()
+    stats = service.statistics()
+    assert stats.succeeded == n, stats
+    return elapsed
+
+
+def drain_huey(n: int, workers: int, timeout: float = 600.0) -> float:
+    """Seconds from huey's consumer start to its n-th no-op task run, n tasks queued first.
+
+    SqliteHuey with fsync=True (synchronous=FULL, as tickler's store here) in
+    WAL mode (its default). Its consumer runs in this process with `workers`
+    thread workers (``huey_consumer -w workers -k thread``), without its
+    periodic-task scheduler's work (periodic=False), and stops once the last
+    task has run. huey has no batch enqueue, so the n tasks are written as
+    its ``enqueue`` writes each (``huey.serialize_task``, the same INSERT),
+    in one transaction instead of a committed transaction each.
+    """
+    assert huey is not None
+    with tempfile.TemporaryDirectory() as directory:
+        queue = huey.SqliteHuey(QUEUE, filename=str(Path(directory) / "huey.db"), fsync=True)
+        lock = threading.Lock()
+        done = threading.Event()
+        count = 0
+        finished = 0.0
+
+        @queue.task()  # type: ignore[untyped-decorator,unused-ignore]
+        def noop(request: int) -> None:
+            nonlocal count, finished
+            with lock:
+                count += 1
+                if count == n:
+                    finished = time.perf_counter()
+                    done.set()
+
+        rows = [(QUEUE, queue.serialize_task(noop.s(i)), 0) for i in range(n)]
+        with queue.storage.db(commit=True) as cursor:
+            cursor.executemany("insert into task (queue, data, priority) values (?, ?, ?)", rows)
+        del rows
+        consumer = huey.consumer.Consumer(
+            queue, workers=workers, periodic=False, worker_type="thread", check_worker_health=False
+        )
+        # The consumer takes SIGINT, SIGTERM and SIGHUP for itself: give them back.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if hasattr(signal, "SIGHUP"):
+            handlers[signal.SIGHUP] = signal.getsignal(signal.SIGHUP)
+        gc.collect()
+        start = time.perf_counter()
+        try:
+            consumer.start()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        try:
+            if not done.wait(timeout):
+                raise TimeoutError(f"huey ran {count:,} of {n:,} tasks in {timeout:g} s")
+        finally:
+            consumer.stop(graceful=True)
+            queue.storage.close()
+        assert count == n, count
+    return finished - start
+
+
+# -- SQLite: many requests in one caller transaction -----------------------------------
+
+
+def sqlite_bulk(path: Path, n: int, many: bool) -> float:
+    """Requests a second: n requests in one transaction on the caller's sqlite3 connection.
+
+    By one enqueue_many_in (many) or n enqueue_in calls, COMMIT included, on
+    a connection with synchronous=FULL (the store's own connections' setting
+    here) in WAL mode (which the store's schema sets).
+    """
+    store = tickler.SqliteStore(path, synchronous="FULL")
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA synchronous = FULL")
+        gc.collect()
+        start = time.perf_counter()
+        db.execute("BEGIN")
+        if many:
+            store.enqueue_many_in(db, QUEUE, range(n))
+        else:
+            for i in range(n):
+                store.enqueue_in(db, QUEUE, i)
+        db.execute("COMMIT")
+        elapsed = time.perf_counter() - start
+    finally:
+        db.close()
+    return n / elapsed
 
 
 async def submit_latencies(n: int) -> list[float]:
@@ -378,6 +529,38 @@ async def fill_cost(n: int, collector: bool = True) -> float:
     return elapsed / n
 
 
+def has_enqueue_many() -> bool:
+    """Whether this tickler's Service has enqueue_many."""
+    return hasattr(tickler.Service, "enqueue_many")
+
+
+async def enqueue_many_cost(n: int, many: bool) -> float:
+    """Average ns per request: n requests, as a list, by one enqueue_many or n enqueue_request.
+
+    On a fresh running service, after a collection; the window holds the
+    collections its own allocations cause.
+    """
+    service = tickler.Service(_checkpoint_handler, max_queue_length=None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        requests = list(range(n))
+        gc.collect()
+        if many:
+            enqueue_many = service.enqueue_many  # type: ignore[attr-defined,unused-ignore]
+            start = time.perf_counter_ns()
+            enqueue_many(requests)
+            elapsed = time.perf_counter_ns() - start
+        else:
+            enqueue = service.enqueue_request
+            start = time.perf_counter_ns()
+            for x in requests:
+                enqueue(x)
+            elapsed = time.perf_counter_ns() - start
+        assert service.statistics().queued == n
+        await service.stop(drain=False)
+    return elapsed / n
+
+
 # -- memory -------------------------------------------------------------------------
 
 
@@ -416,6 +599,7 @@ def _machine() -> str:
         f"Python {platform.python_version()}, trio {version('trio')}, "
         f"trio-tickler {version('trio-tickler')}"
         + (f", aiojobs {version('aiojobs')}" if aiojobs is not None else "")
+        + (f", huey {version('huey')}" if huey is not None else "")
     )
 
 
@@ -485,6 +669,15 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             "tickler",
             ("ratio", ">=", 0.95),
         ),
+        # The burst with half its requests at priority=1, over the plain burst.
+        "priorities": Row(
+            "priorities",
+            "burst",
+            "tickler, every other request priority=1",
+            [],
+            "req/s",
+            "tickler",
+        ),
         "sqlite": Row(
             "sqlite",
             "burst",
@@ -493,6 +686,34 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             "req/s",
             "tickler",
             ("ratio", ">=", 0.2),
+        ),
+        # A drain of requests already in the file: tickler's store and huey's.
+        "sqlite_drain": Row(
+            "sqlite_drain",
+            "sqlite drain",
+            f'tickler SqliteStore(synchronous="FULL"), capacity={c}',
+            [],
+            "req/s",
+            "huey",
+        ),
+        "sqlite_drain_h1": Row(
+            "sqlite_drain_h1",
+            "sqlite drain",
+            f'tickler SqliteStore(synchronous="FULL"), capacity={c}',
+            [],
+            "req/s",
+            "huey1",
+        ),
+        "huey": Row(
+            "huey", "sqlite drain", f"huey SqliteHuey(fsync=True), {c} thread workers", [], "req/s"
+        ),
+        "huey1": Row(
+            "huey1",
+            "sqlite drain",
+            "huey SqliteHuey(fsync=True), 1 worker (its default)",
+            [],
+            "req/s",
+            "huey",
         ),
         "submit_p50": Row("submit_p50", "submit p50", "SqliteStore FULL, call to commit", [], "us"),
         "submit_p99": Row("submit_p99", "submit p99", "SqliteStore FULL, call to commit", [], "us"),
@@ -513,6 +734,42 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             ("ratio", "<=", 5.0),
         ),
         "bare": Row("bare", "enqueue", "bare `with lock: deque.append(x)`", [], "ns/call"),
+        # One enqueue_many of a list against enqueue_request over the same
+        # list: a ratio of 0.5x or less is a speed-up of 2x or more.
+        "enqueue_many": Row(
+            "enqueue_many",
+            "enqueue_many",
+            f"tickler enqueue_many, a list of {config.enqueue_calls:,}",
+            [],
+            "ns/req",
+            "enqueue_loop",
+            ("ratio", "<=", 0.5),
+        ),
+        "enqueue_loop": Row(
+            "enqueue_loop",
+            "enqueue_many",
+            f"tickler enqueue_request, {config.enqueue_calls:,} calls over the list",
+            [],
+            "ns/req",
+        ),
+        # Shown after the PostgreSQL batch rows (see the end of run()).
+        "sqlite_many": Row(
+            "sqlite_many",
+            "sqlite enqueue",
+            f"tickler SqliteStore.enqueue_many_in, {config.postgres.batch:,} requests"
+            " in one caller transaction",
+            [],
+            "req/s",
+            "sqlite_batch",
+        ),
+        "sqlite_batch": Row(
+            "sqlite_batch",
+            "sqlite enqueue",
+            f"tickler SqliteStore.enqueue_in, {config.postgres.batch:,} calls"
+            " in one caller transaction",
+            [],
+            "req/s",
+        ),
     }
     first = config.prefill[0]
     for prefill in config.prefill:
@@ -575,7 +832,25 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         sample("spawn", n / in_context(False, trio.run, burst_spawn, n, c))
         if aiojobs is not None:
             sample("aiojobs", n / in_context(False, asyncio.run, burst_aiojobs(n, c)))
+        timed = in_context(False, trio.run, burst_tickler, n, c, False, False, True)[0]
+        sample("priorities", n / timed)
         sample("sqlite", n / in_context(False, trio.run, burst_sqlite, n, c))
+
+        out(f"  round {round_no + 1}/{config.rounds}: sqlite drain and enqueue")
+        d = config.sqlite_drain
+        elapsed = in_context(False, trio.run, drain_sqlite, d, c)
+        sample("sqlite_drain", d / elapsed)
+        sample("sqlite_drain_h1", d / elapsed)
+        if huey is not None:
+            sample("huey", d / in_context(False, drain_huey, d, c))
+            sample("huey1", d / in_context(False, drain_huey, d, 1))
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory) / "queue.db"
+            tickler.SqliteStore(path).create_schema()
+            # The two ways take turns as to which goes first.
+            for many in (True, False) if round_no % 2 == 0 else (False, True):
+                rate = in_context(False, sqlite_bulk, path, config.postgres.batch, many)
+                sample("sqlite_many" if many else "sqlite_batch", rate)
 
         out(f"  round {round_no + 1}/{config.rounds}: submit")
         latencies = in_context(False, trio.run, submit_latencies, config.submits)
@@ -591,9 +866,13 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             sample(key.replace("50", "99"), statistics.quantiles(latencies, n=100)[98] / 1000)
 
         out(f"  round {round_no + 1}/{config.rounds}: enqueue and scaling")
+        e = config.enqueue_calls
         sample("bare", bare_append(config.enqueue_calls))
         sample("enqueue", in_context(False, trio.run, enqueue_cost, config.enqueue_calls))
         sample("enqueue_var", in_context(True, trio.run, enqueue_cost, config.enqueue_calls))
+        sample("enqueue_loop", in_context(False, trio.run, enqueue_many_cost, e, False))
+        if has_enqueue_many():
+            sample("enqueue_many", in_context(False, trio.run, enqueue_many_cost, e, True))
         for prefill in config.prefill:
             cost = in_context(False, trio.run, enqueue_cost, config.enqueue_calls, prefill)
             sample(f"scaling{prefill}", cost)
@@ -602,7 +881,11 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
 
         sample("memory", in_context(False, trio.run, memory_per_request, config.memory))
         sample("memory_var", in_context(True, trio.run, memory_per_request, config.memory))
-    return [*table.values(), *postgres.run(config.postgres, out)]
+    # The SQLite batch rows go beside the PostgreSQL ones.
+    sqlite_enqueue = [table.pop("sqlite_many"), table.pop("sqlite_batch")]
+    pg = postgres.run(config.postgres, out)
+    at = next((i + 1 for i, row in enumerate(pg) if row.key == "pg_batch_proc"), len(pg))
+    return [*table.values(), *pg[:at], *sqlite_enqueue, *pg[at:]]
 
 
 def _collector_share(rows: dict[str, Row]) -> str:
@@ -634,11 +917,41 @@ def _in_memory_notes(rows: dict[str, Row], config: Config) -> list[str]:
         f" with the queue pre-filled; a fill enqueues {config.fill:,} requests into an empty"
         f" queue, its collections included{_collector_share(rows)}."
         f" Medians of {config.rounds} rounds.",
+        f"Burst with priorities: the burst with every other request enqueued with"
+        f" priority=1 ({config.burst // 2:,} of {config.burst:,}), over the plain burst of"
+        f" the same round.",
+        _enqueue_many_note(rows, config),
+        f"SQLite drain: {config.sqlite_drain:,} no-op requests written to a fresh file in one"
+        f" transaction before the worker starts (tickler: SqliteStore.enqueue_many_in; huey:"
+        f" its enqueue's INSERT of each serialized task, as it has no batch enqueue), then"
+        f" timed from the worker's start to the last request run (tickler: service.join(),"
+        f" its outcomes committed; huey: its consumer in this process, thread workers,"
+        f" periodic tasks off, to the last task's return; it deletes each task at its dequeue"
+        f" and stores no None result). Both synchronous=FULL, WAL, on the same file system.",
+        f"SQLite enqueue: {config.postgres.batch:,} requests in one BEGIN ... COMMIT on the"
+        f" caller's sqlite3 connection (synchronous=FULL), COMMIT included, the two ways taking"
+        f" turns; medians of {config.rounds} rounds.",
         f"Machine: {_machine()}.",
     ]
     if aiojobs is None:
         lines.append("aiojobs skipped: install the bench extra (pip install -e '.[bench]').")
+    if huey is None:
+        lines.append("huey skipped: install the bench extra (pip install -e '.[bench]').")
     return lines
+
+
+def _enqueue_many_note(rows: dict[str, Row], config: Config) -> str:
+    """The enqueue_many rows' line: their speed-up, or why they were skipped."""
+    many, loop = rows["enqueue_many"], rows["enqueue_loop"]
+    head = (
+        f"enqueue_many: one call with a list of {config.enqueue_calls:,} requests against"
+        f" enqueue_request called over the same list, per request, collections included"
+    )
+    if not has_enqueue_many():
+        return f"{head}: skipped, this tickler's Service has no enqueue_many."
+    if not many.samples or not loop.samples:
+        return f"{head}: not measured."
+    return f"{head}: a speed-up of {loop.median / many.median:.2f}x (target 2x)."
 
 
 def main(argv: list[str] | None = None) -> None:
