@@ -76,8 +76,8 @@ _copy_context = contextvars.copy_context
 _new_ticket = object.__new__
 _KEYWORD_ONLY = object()
 # The default priority, compared by identity on the hot path: CPython keeps
-# one object for every int 0, and a bool or float 0 is not it (so it goes
-# the checked way, and is refused).
+# one object for the int 0, and None, a bool or a float 0 is not it (so each
+# goes the checked way, where None and bools are refused).
 _PRIORITY_0 = 0
 
 # A processor that keeps its slot yields to the scheduler after this many
@@ -368,6 +368,8 @@ class _Engine(Generic[RequestT, ResultT]):
         self._wakeup_pending = False
         self._foreign_pending = False
         self._debug = logger.isEnabledFor(logging.DEBUG)
+        if self._debug:
+            self._admit = 0  # enqueues take the path that logs them (see Intake.set_admit)
 
     def _tickle(self) -> None:
         """Wake the supervisor loop. Trio thread only.
@@ -452,7 +454,8 @@ class _Engine(Generic[RequestT, ResultT]):
     # A KeyboardInterrupt never lands halfway through the bookkeeping of the
     # methods marked so (Trio delivers it at the next unprotected point).
     #
-    # tuned (bench: enqueue): key and delay are keyword-only, but the code does not declare them so:
+    # tuned (bench: enqueue): key and the rest are keyword-only, but the code does not declare
+    # them so:
     # CPython 3.11 does not specialize calls to functions with keyword-only
     # parameters, which costs about 5% of an enqueue. A guard parameter
     # refuses them by position instead; type checkers see the declared
@@ -539,12 +542,17 @@ class _Engine(Generic[RequestT, ResultT]):
                     finally:
                         lock.acquire()
                 # Refused, unless it is a follow-up from one of the service's
-                # own handlers during a drain, with room in the queue. Only
-                # this slow path asks which.
-                self._intake.refuse(length)
+                # own handlers during a drain, with room in the queue; or
+                # logged at DEBUG. Only this slow path asks which: the
+                # intake's twin of the rest of this method.
+                lock.release()
+                try:
+                    return self._intake.enqueue_checked(ticket)
+                finally:
+                    lock.acquire()
             if timer is None:
                 ticket.enqueued_at = self._time()  # the run may have started meanwhile
-            self._last_id = ticket.id = ticket_id = self._last_id + 1
+            self._last_id = ticket.id = self._last_id + 1
             queue.append(ticket)
             if not self._wakeup_pending:
                 # (When a wake-up is pending, the loop has yet to take the
@@ -555,8 +563,6 @@ class _Engine(Generic[RequestT, ResultT]):
                     self._wake_from_thread()
         finally:
             lock.release()
-        if self._debug:
-            logger.debug("request #%d added, queue length now %d", ticket_id, length + 1)
         return ticket
 
     if TYPE_CHECKING:
@@ -846,9 +852,9 @@ class _Engine(Generic[RequestT, ResultT]):
         task = trio.lowlevel.current_task()
         stored = self._store_run  # None for the in-memory engine
         outcomes = self._outcomes
-        # Keys and priorities of live requests (the dicts themselves): a request
-        # that has either is released by the intake as it ends.
-        key_of, priority_of = self._intake.key_of, self._intake.priority_of
+        # The keys of live requests (the dict itself); a request with a key or a
+        # priority is in it, and the intake releases it as it ends.
+        key_of = self._intake.key_of
         # tuned (bench: burst, histograms=True): the histograms' counts, and for each the bucket of
         # the last duration counted with its edges: durations come in runs that share a bucket, and
         # two comparisons cost less than a search.
@@ -949,7 +955,7 @@ class _Engine(Generic[RequestT, ResultT]):
                                 self._run_sum += ran
                             if stored is None:
                                 self._succeeded += 1
-                                if key_of or priority_of:
+                                if key_of:
                                     self._intake.release_key(ticket)
                                 state = ticket._state  # a waiter may have wrapped it meanwhile
                                 ticket._state = (now, result)
@@ -1099,9 +1105,8 @@ class _Engine(Generic[RequestT, ResultT]):
         self, ticket: Ticket[RequestT, ResultT], status: Status, final: tuple[Any, ...]
     ) -> None:
         """Make ``ticket`` final: ``final`` is its state, starting with finished_at."""
-        intake = self._intake
-        if intake.key_of or intake.priority_of:
-            intake.release_key(ticket)
+        if self._intake.key_of:
+            self._intake.release_key(ticket)
         state = ticket._state
         ticket._state = final
         ticket.status = status

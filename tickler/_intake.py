@@ -37,6 +37,8 @@ from ._ticket import Ticket
 _new_ticket = object.__new__
 # Stands for a request of enqueue_many's that will hold its key.
 _PLACEHOLDER: Any = object()
+# The key_of entry of a request with a priority and no key.
+_UNKEYED: Any = object()
 
 
 @attrs.define(eq=False)
@@ -68,14 +70,31 @@ class Intake:
     # Requests handed to a processor when a pause came: they go back unstarted.
     deferred: set[Ticket[Any, Any]] = attrs.Factory(set)
 
-    def refuse(self, length: int) -> None:
-        """Raise why the hot path may not take a request; with the lock held.
+    def enqueue_checked(self, ticket: Ticket[Any, Any]) -> Ticket[Any, Any]:
+        """The rest of enqueue_request once its fast path's one comparison failed.
 
-        A follow-up from one of the service's own handlers during a drain,
-        with room in the queue, is not refused: then this returns.
+        The twin of _Engine._enqueue_request's locked part: the request is
+        refused (closed, or the queue is full), unless it is a follow-up
+        from one of the service's own handlers during a drain with room in
+        the queue; or it is taken and logged at DEBUG.
         """
-        self.check_open()
-        self.check_room(length)
+        engine = self.engine
+        with engine._lock:
+            queue = engine._queue
+            length = len(queue)
+            self.check_open()
+            self.check_room(length)
+            if ticket.enqueued_at is None:
+                ticket.enqueued_at = engine._time()  # the run may have started meanwhile
+            engine._last_id = ticket.id = engine._last_id + 1
+            queue.append(ticket)
+            if engine._thread == _get_ident():
+                engine._tickle()
+            else:
+                engine._wake_from_thread()
+        if engine._debug:
+            logger.debug("request #%d added, queue length now %d", ticket.id, length + 1)
+        return ticket
 
     def enqueue_keyed(
         self,
@@ -145,6 +164,10 @@ class Intake:
         engine._last_id = ticket.id = engine._last_id + 1
         if priority:
             self.priority_of[ticket] = priority
+            if key is None:
+                # In key_of too, which the processor's success path checks
+                # tuned (bench: burst): one test of one dict for both.
+                self.key_of[ticket] = _UNKEYED
         if delay is None and priority:
             self.rank(ticket, priority)
         elif delay is None:
@@ -320,7 +343,9 @@ class Intake:
         """Recompute the hot path's bound. Called with the lock held."""
         engine = self.engine
         bound = engine.max_queue_length
-        if engine._closed or engine._store_run is not None:
+        # tuned (bench: enqueue): logging at DEBUG sends every enqueue through
+        # enqueue_checked, which logs it: the fast path need not ask.
+        if engine._closed or engine._store_run is not None or engine._debug:
             engine._admit = 0
         elif bound is not None:
             engine._admit = bound - self.scheduled - self.ranked
@@ -451,10 +476,12 @@ class Intake:
         """
         engine = self.engine
         with engine._lock:
-            if self.priority_of:
-                self.priority_of.pop(ticket, None)
             key = self.key_of.pop(ticket, _MISSING)
             if key is _MISSING:
+                return
+            if self.priority_of:
+                self.priority_of.pop(ticket, None)
+            if key is _UNKEYED:
                 return
             unique_for = self.unique_for_of.pop(ticket, None) if self.unique_for_of else None
             if unique_for is not None:

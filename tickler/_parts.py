@@ -72,8 +72,8 @@ class IntakePart(Protocol):
         unique_for: float | None = None,
     ) -> Ticket[Any, Any]: ...
 
-    def refuse(self, length: int) -> None:
-        """Raise why the hot path may not take a request: closed, or full."""
+    def enqueue_checked(self, ticket: Ticket[Any, Any]) -> Ticket[Any, Any]:
+        """The rest of enqueue_request off its fast path: refused, or taken and logged."""
         ...
 
     def set_admit(self) -> None: ...

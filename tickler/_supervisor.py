@@ -223,4 +223,8 @@ class Supervisor:
             await receive()
             engine._wakeup_pending = False
         self.wakeups += 1
-        engine._debug = logger.isEnabledFor(logging.DEBUG)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug is not engine._debug:
+            engine._debug = debug
+            with engine._lock:
+                self.intake.set_admit()
