@@ -236,7 +236,10 @@ async def test_pause_starts_nothing_new_and_resume_goes_on(
     assert order == ["running", "w0", "w1", "w2"]
 
 
-async def test_stop_while_paused_waits_only_for_what_runs(autojump_clock: trio.abc.Clock) -> None:
+@pytest.mark.parametrize("drain", [True, False])
+async def test_stop_while_paused_waits_only_for_what_runs(
+    autojump_clock: trio.abc.Clock, drain: bool
+) -> None:
     order, handler = recorder()
     service = tickler.Service(handler, capacity=1)
     async with trio.open_nursery() as nursery:
@@ -245,7 +248,8 @@ async def test_stop_while_paused_waits_only_for_what_runs(autojump_clock: trio.a
         await trio.sleep(0.1)
         service.pause()
         waiting = service.enqueue_request("waiting")
-        left = await service.stop(drain=False)
+        with trio.fail_after(10):
+            left = await service.stop(drain=drain)
     assert running.status is tickler.Status.SUCCEEDED
     assert left == [waiting]
     assert waiting.status is tickler.Status.CANCELLED

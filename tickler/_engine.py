@@ -46,7 +46,7 @@ import types
 from bisect import bisect_left as _bucket
 from collections.abc import Callable, Generator, Hashable
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, NoReturn
 
 import trio
 
@@ -105,6 +105,13 @@ def _steps_of(awaitable: object) -> Any:
     if await_ is None:
         raise TypeError(f"handler must return an awaitable, not {type(awaitable).__name__}")
     return _iterate(await_(awaitable))
+
+
+def _refuse_positional() -> NoReturn:
+    raise TypeError(
+        "enqueue_request() takes one positional argument, the request;"
+        " key, delay, priority and unique_for are keyword-only"
+    )
 
 
 def _holds(context: contextvars.Context, captured: contextvars.Context) -> bool:
@@ -479,10 +486,7 @@ class _Engine(Generic[RequestT, ResultT]):
             or _keyword_only is not _KEYWORD_ONLY
         ):
             if _keyword_only is not _KEYWORD_ONLY:
-                raise TypeError(
-                    "enqueue_request() takes one positional argument, the request;"
-                    " key, delay, priority and unique_for are keyword-only"
-                )
+                _refuse_positional()
             return self._intake.enqueue_keyed(request, key, delay, priority, unique_for)
         # (Everything below is the hot path. Intake.enqueue_keyed is its twin for
         # keys and delays; _capture_context, the part on contextvars.)

@@ -177,6 +177,10 @@ class Supervisor:
                     looked = exchanged
                 dispatched_at = engine._dispatch()
                 if stopping.stop_called:
+                    if engine._paused and engine._in_flight == 0:
+                        # Paused, nothing more starts: a drain ends with what
+                        # ran, and what waits is cancelled (with a store: stays).
+                        stopping.cancel_waiting(engine._time())
                     if stopping.drained(stored):
                         stopping.release_idle()
                         return
