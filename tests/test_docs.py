@@ -102,6 +102,13 @@ OUTPUTS = {
     ("docs/failures.md", "retry"): "delivered 'hello' on attempt 3\n2\n",
     ("docs/failures.md", "follow-up-with-a-key"): "['create 1', 'create 1', 'start 1']\n1\n",
     ("docs/stores/sqlite.md", "invoice"): "1 invoice for order 42\n1\n",
+    ("docs/scheduling.md", "priorities"): (
+        "['password reset', 'receipt', 'invoice', 'newsletter']\n"
+    ),
+    ("docs/scheduling.md", "enqueue-many"): "200000 1 200000\nTrue 2\n200002\n",
+    ("docs/scheduling.md", "enqueue-many-in"): "5000 [1, 2, 3]\n5000\n",
+    ("docs/scheduling.md", "unique-for"): "True SUCCEEDED\n['ada']\n",
+    ("docs/scheduling.md", "periodic"): "60 {60}\n",
     ("docs/observability.md", "prometheus"): (
         'tickler_requests_succeeded_total{service="mailer"} 3.0\n'
     ),
@@ -205,14 +212,19 @@ def test_readme_says_how_a_user_installs_each_extra() -> None:
     assert block.language == "sh"
     assert f"<!-- example: install -->\n```sh\n{block.code}```\n" in section
     installs = [line.split("#")[0].split()[-1].strip("'") for line in block.code.splitlines()]
-    assert installs == ["trio-tickler", "trio-tickler[postgres]", "trio-tickler[prometheus]"]
+    assert installs == [
+        "trio-tickler",
+        "trio-tickler[postgres]",
+        "trio-tickler[prometheus]",
+        "trio-tickler[cron]",
+    ]
     extras = set(project["optional-dependencies"])
     installed = set(importlib.metadata.metadata("trio-tickler").get_all("Provides-Extra") or ())
     for name in installs[1:]:
         extra = name.split("[")[1].rstrip("]")
         assert extra in extras
         assert extra in installed
-    assert "pip install '.[postgres,prometheus]'" in section
+    assert "pip install '.[postgres,prometheus,cron]'" in section
 
 
 COMMANDS = [
