@@ -9,6 +9,7 @@ request taken but not started that goes back where it waited.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from collections.abc import Callable, Hashable, Iterable
@@ -272,15 +273,25 @@ class Intake:
         # _Engine._enqueue_request (its twin), and given their ids under one lock.
         tickets: list[Ticket[Any, Any]] = []
         append = tickets.append
-        for item in items:
-            ticket = _new_ticket(Ticket)
-            ticket.request = item
-            ticket.status = _QUEUED
-            ticket.attempts = 0
-            ticket.enqueued_at = now
-            ticket.started_at = None
-            ticket._state = context
-            append(ticket)
+        # tuned (bench: enqueue_many): no garbage collection while the tickets are
+        # made: every one of them stays alive, and the collections that so many
+        # new objects would set off (each pass over all of them) cost twice as
+        # much as making them.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for item in items:
+                ticket = _new_ticket(Ticket)
+                ticket.request = item
+                ticket.status = _QUEUED
+                ticket.attempts = 0
+                ticket.enqueued_at = now
+                ticket.started_at = None
+                ticket._state = context
+                append(ticket)
+        finally:
+            if collecting:
+                gc.enable()
         with engine._lock:
             self.check_open()
             queue = engine._queue
