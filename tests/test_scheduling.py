@@ -355,3 +355,85 @@ async def test_periodic_ticks_run_once_across_replicas(tmp_path: Path) -> None:
     assert len(enqueued) <= elapsed / 0.2 + 2
     gaps = [b - a for a, b in itertools.pairwise(enqueued)]
     assert min(gaps) > 0.1, gaps
+
+
+# -- through a service with a store, on a real SQLite file
+
+
+async def test_enqueue_many_and_unique_for_with_a_store(tmp_path: Path) -> None:
+    store = tickler.SqliteStore(tmp_path / "queue.db", **FAST)
+    ran: list[str] = []
+
+    async def handler(request: str) -> str:
+        ran.append(request)
+        return request.upper()
+
+    async with tickler.open_service(handler, store=store, max_queue_length=4) as service:
+        with pytest.raises(tickler.QueueFull, match="none was enqueued"):
+            service.enqueue_many(["a", "b", "c", "d", "e"])
+        tickets = service.enqueue_many(["a", "b", "a"], key=lambda r: r, unique_for=3600)
+        assert [await ticket.wait() for ticket in tickets] == ["A", "B", "A"]
+        assert tickets[0].id == tickets[2].id  # one row for the key "a"
+        again = service.enqueue_request("a", key="a", unique_for=3600)
+        assert await again.wait() == "A"  # follows the final original
+        assert again.id == tickets[0].id
+        plain = service.enqueue_request("c", key="c")
+        await plain.wait()
+        fresh = service.enqueue_request("c", key="c")
+        assert fresh.id != plain.id  # no unique_for: the key was free once final
+        await fresh.wait()
+    assert sorted(ran) == ["a", "b", "c", "c"]
+
+
+async def test_priorities_through_a_store(tmp_path: Path) -> None:
+    store = tickler.SqliteStore(tmp_path / "queue.db", **FAST)
+    order: list[str] = []
+
+    async def handler(request: str) -> None:
+        order.append(request)
+
+    async with tickler.open_service(handler, store=store, capacity=1) as service:
+        service.pause()
+        with trio.fail_after(5):
+            while (await service.store_statistics())["paused"] != 1:
+                await trio.sleep(0.02)
+        service.enqueue_request("low", priority=-5)
+        service.enqueue_request("plain")
+        service.enqueue_many(["urgent1", "urgent2"], priority=9)
+        with trio.fail_after(5):
+            while (await service.store_statistics())["queued"] < 4:
+                await trio.sleep(0.02)
+        service.resume()
+        await service.join()
+    assert order == ["urgent1", "urgent2", "plain", "low"]
+
+
+async def test_a_periodic_schedule_catches_up_once_after_downtime(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    hourly = tickler.Periodic("report", "report", every=3600)
+
+    async def quick(request: str) -> None:
+        pass
+
+    def query(sql: str) -> list[Any]:
+        db = sqlite3.connect(path)
+        try:
+            with db:
+                return db.execute(sql).fetchall()
+        finally:
+            db.close()
+
+    async def run_briefly() -> None:
+        store = tickler.SqliteStore(path, **FAST)
+        async with tickler.open_service(quick, store=store, periodic=[hourly]):
+            await trio.sleep(0.2)
+
+    # The first start records the schedule: nothing was missed, nothing runs.
+    await run_briefly()
+    assert query("SELECT count(*) FROM tickler_requests") == [(0,)]
+    # As if no replica had run for three hours: three ticks missed.
+    query("UPDATE tickler_periodic SET last_tick = last_tick - 3 * 3600")
+    await run_briefly()
+    assert query("SELECT count(*) FROM tickler_requests") == [(1,)]  # one catch-up run
+    await run_briefly()  # a restart: caught up already
+    assert query("SELECT count(*) FROM tickler_requests") == [(1,)]
