@@ -437,3 +437,23 @@ async def test_a_periodic_schedule_catches_up_once_after_downtime(tmp_path: Path
     assert query("SELECT count(*) FROM tickler_requests") == [(1,)]  # one catch-up run
     await run_briefly()  # a restart: caught up already
     assert query("SELECT count(*) FROM tickler_requests") == [(1,)]
+
+
+async def test_periodic_cron_in_memory(autojump_clock: trio.abc.Clock) -> None:
+    runs: list[float] = []
+
+    async def handler(request: str) -> None:
+        runs.append(trio.current_time())
+
+    five = tickler.Periodic("five", "x", cron="*/5 * * * *", timezone="Asia/Kolkata")
+    async with tickler.open_service(handler, periodic=[five]):
+        await trio.sleep(3600)
+    assert len(runs) == 12  # every five minutes, for an hour
+    assert {round(b - a) for a, b in zip(runs, runs[1:], strict=False)} == {300}
+
+
+async def test_pause_from_another_thread_is_refused(autojump_clock: trio.abc.Clock) -> None:
+    async with tickler.open_service(recorder()[1]) as service:
+        with pytest.raises(RuntimeError, match="from the thread running it"):
+            await trio.to_thread.run_sync(service.pause)
+        assert not service.paused
