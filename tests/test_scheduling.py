@@ -449,7 +449,7 @@ async def test_periodic_cron_in_memory(autojump_clock: trio.abc.Clock) -> None:
     async with tickler.open_service(handler, periodic=[five]):
         await trio.sleep(3600)
     assert len(runs) == 12  # every five minutes, for an hour
-    assert {round(b - a) for a, b in zip(runs, runs[1:], strict=False)} == {300}
+    assert {round(b - a) for a, b in itertools.pairwise(runs)} == {300}
 
 
 async def test_pause_from_another_thread_is_refused(autojump_clock: trio.abc.Clock) -> None:
