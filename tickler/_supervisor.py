@@ -122,7 +122,7 @@ class Supervisor:
                 ticket.enqueued_at = now
             if stored is not None:
                 for pending in stored.pending:
-                    pending[6].enqueued_at = now
+                    pending[7].enqueued_at = now
             for _, _, _, ticket in engine._ready:
                 ticket.enqueued_at = now
         if self.periodic:

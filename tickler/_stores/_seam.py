@@ -48,7 +48,7 @@ class Batch:
 
     inserts: Sequence[tuple[Any, ...]] = ()
     """For each request enqueued since the last batch: (key, state, request, run_at,
-priority, unique_until, ...); what follows is the engine's own and not written."""
+priority, unique_until, group, ...); what follows is the engine's own and not written."""
     outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
     """(kind, id, values) for each attempt that ended: see _sql.run_batch."""
     claim: int = 0

@@ -55,9 +55,9 @@ _AHEAD = 8
 SWEEP_EVERY = 30
 
 # (key text, state, encoded request, run_at, ticket): a Batch's insert as it is.
-# (key, state, request, run_at, priority, unique_until, ticket): Batch.inserts' shape,
+# (key, state, request, run_at, priority, unique_until, group, ticket): Batch.inserts' shape,
 # with the ticket the batch's result gives an id to.
-Pending = tuple[str | None, str, bytes, float, int, float | None, Ticket[Any, Any]]
+Pending = tuple[str | None, str, bytes, float, int, float | None, str | None, Ticket[Any, Any]]
 # (kind, ticket, values for its row, what the ticket gets once written)
 Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
 
@@ -369,7 +369,7 @@ class StoreSync:
         else:
             inserted = result.inserted
         for entry, (request_id, new) in zip(pending, inserted, strict=True):
-            ticket = entry[6]
+            ticket = entry[7]
             ticket.id = request_id
             if new:
                 self.tickets[request_id] = ticket
@@ -510,7 +510,7 @@ class StoreSync:
             if error is None:
                 kept.append(entry)
                 continue
-            ticket = entry[6]
+            ticket = entry[7]
             if self.refused_once.pop(ticket, None) is None:
                 self.refused_once[ticket] = error
                 again.append(entry)
@@ -635,7 +635,7 @@ class StoreSync:
                         f"service {engine.name!r}: the request could not be committed to the"
                         f" store before the run ended ({self.last_error})"
                     )
-                    engine._outcomes.fail(entry[6], error, None, now)
+                    engine._outcomes.fail(entry[7], error, None, now)
             self.committed.set()
             connection, self.connection = self.connection, None
             if connection is not None:
@@ -767,7 +767,7 @@ class StoreSync:
             ticket.id = 0
             engine._last_id += 1
             self.pending.append(
-                (key_text, status.value, data, run_at, priority, unique_until, ticket)
+                (key_text, status.value, data, run_at, priority, unique_until, None, ticket)
             )
             self.accepted += 1
             if engine._thread == _get_ident():
@@ -834,7 +834,7 @@ class StoreSync:
                 ticket: Ticket[Any, Any] = Ticket(decoded, 0, status, 0, now, None, context)
                 key_text = key_texts[index] if key_texts else None
                 self.pending.append(
-                    (key_text, status.value, data, run_at, priority, unique_until, ticket)
+                    (key_text, status.value, data, run_at, priority, unique_until, None, ticket)
                 )
                 tickets.append(ticket)
             engine._last_id += len(tickets)
