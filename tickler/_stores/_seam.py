@@ -12,7 +12,7 @@ once they are stable enough to be promised.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -74,6 +74,15 @@ priority, unique_until, group, ...); what follows is the engine's own and not wr
     is made and the request enqueued unless catch_up; with a record of an earlier tick, the
     request is enqueued; else nothing. tick_at is the tick's wall-clock time, its identity
     (never moved by BatchResult.shift); an enqueued request is queued, due now."""
+    limits: Mapping[str, tuple[int | None, int | None, float]] | None = None
+    """Per-group limits of the claim, or None: none (the claim as without groups). By group
+    name, and "*" for every group not named: (concurrency, rate, per), each limit applying
+    to each group on its own, across every process. concurrency (or None: no bound) bounds
+    the group's running rows whose lease has not run out; rate (or None) the attempts of
+    the group claimed within any window of per seconds (a retry, or the rescue of a lapsed
+    lease, is an attempt too). Rows of no group are never limited. A group at its limit
+    holds back none of the others: the claim takes the next rows past it. The store keeps
+    the mapping as the last batch gave it, for statistics and inspection."""
 
 
 @attrs.define(eq=False)
@@ -105,6 +114,10 @@ class BatchResult:
     """Whether the queue is paused, after the batch."""
     ticked: list[int] = attrs.Factory(list)
     """For each of Batch.ticks: the id of the request it enqueued, or 0."""
+    limited: int = 0
+    """With Batch.limits and a claim: how many of the queue's ready rows (queued, or
+    scheduled or retrying and due) wait only because their group is at its limit, after
+    the claim; else 0."""
 
 
 class Session(Protocol):

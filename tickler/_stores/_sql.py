@@ -10,9 +10,10 @@ SET clause of each outcome and the lists of states. Connection handling
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -80,7 +81,7 @@ ROW_COLUMNS = (
 
 INSERT_COLUMNS = (
     "INSERT INTO tickler_requests"
-    " (queue, key, state, request, run_at, enqueued_at, priority, unique_until)"
+    " (queue, key, state, request, run_at, enqueued_at, priority, unique_until, group_name)"
 )
 
 # Rows without a key go many to an INSERT, at most this many.
@@ -108,8 +109,8 @@ class Statements:
     """
 
     insert: str
-    """(queue, key, state, request, run_at, enqueued_at, priority, unique_until, queue, key,
-    now): RETURNING id; no row if the key is taken: live, or held by a row whose
+    """(queue, key, state, request, run_at, enqueued_at, priority, unique_until, group_name,
+    queue, key, now): RETURNING id; no row if the key is taken: live, or held by a row whose
     unique_until is after now."""
     holder_of_key: str
     """(queue, key, now): the id of the row that holds the key: its live row, else the
@@ -153,6 +154,44 @@ class Statements:
     tick_advance: str
     """(tick_at, queue, name, tick_at): move the record to tick_at if it is earlier;
     RETURNING a row, none if it was not."""
+
+    # -- Per-group limits (Batch.limits): the claim of claim_limited(), and its counts.
+    # A list parameter (groups, ids) is given as Dialect.listed() makes it.
+    set_limits: str
+    """(queue, limits): write the queue's limits (JSON text) in tickler_queues, inserting
+    its row."""
+    limits_of: str
+    """(queue,): the queue's limits as set_limits wrote them (NULL: none), if it has a row."""
+    paused: str
+    """(queue,): the queue's paused flag, if it has a row in tickler_queues."""
+    running_groups: str
+    """(queue, now): (group_name, count) of the running rows of each group whose lease runs
+    after now."""
+    starts_since: str
+    """(queue, since): (group_name, started_at) of each start recorded after since."""
+    prune_starts: str
+    """(queue, before): delete the queue's starts recorded at or before that time."""
+    record_starts: str
+    """(queue, started_at, groups): record a start of each group of the list (one row per
+    entry, a group listed twice started twice)."""
+    ready_groups: str
+    """(queue, queue): every group that has a ready row, each once, found one at a time on
+    the group index (never reading a group's rows beyond its first)."""
+    ungrouped_ready: str
+    """(queue, now, limit): (id, priority, run_at, group_name) of the ready rows of no
+    group due by now, in claim order."""
+    expired_rows: str
+    """(queue, now, owner, limit): (id, priority, run_at, group_name) of running rows whose
+    lease lapsed before now, not owner's, not asked to cancel, the earliest lapsed first."""
+    claim_ids: str
+    """(owner, lease_until, ids, now, owner): claim the listed rows that are still ready,
+    or running with a lease lapsed before now (not owner's, not asked to cancel);
+    RETURNING them as Claimed, priority last."""
+    limited_count: str
+    """(queue, groups, now): how many ready rows of the listed groups are due by now."""
+    busiest_groups: str
+    """(queue, limit): (group_name, running, ready) of the queue's groups with live rows,
+    the most running first, then the most ready, then by name."""
 
 
 class Dialect(Protocol):
@@ -229,6 +268,32 @@ class Dialect(Protocol):
         before a rollback to a savepoint."""
         ...
 
+    # -- Per-group limits
+
+    limits_written: dict[str, str]
+    """The limits (JSON text) this session last wrote for each queue."""
+
+    def listed(self, values: Sequence[Any]) -> Any:
+        """A list as one parameter of the statements that take a list."""
+        ...
+
+    def lock_limited(self, queue: str) -> float:
+        """Hold every other process's limited claim of ``queue`` back until the transaction
+        ends; the time once held (the store's clock)."""
+        ...
+
+    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
+        """The first ``size`` ready rows of the queue due by now, in claim order, whatever
+        their group: (id, priority, run_at, group_name) each."""
+        ...
+
+    def group_heads(
+        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
+    ) -> list[tuple[Any, ...]]:
+        """For each (group, n): the group's first n ready rows due by now, in claim order,
+        (id, priority, run_at, group_name) each."""
+        ...
+
 
 def run_batch(
     d: Dialect, queue: str, owner: str, lease: float, retention: float, batch: Batch
@@ -286,7 +351,15 @@ def run_batch(
             x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.pause is not None:
             x(sql.set_paused, (queue, batch.pause))
-        claimed = d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
+        claimed: Callable[[], list[Claimed]] | None = None
+        if batch.limits is not None:
+            limits = normal_limits(batch.limits)
+            write_limits(d, queue, limits)
+            if batch.claim:
+                rows, result.limited = claim_limited(d, queue, owner, lease, batch.claim, limits)
+                claimed = rows.copy
+        elif batch.claim:
+            claimed = d.claim(queue, owner, now, now + lease, batch.claim)
         # Asked before the claim's rows are read: a server answers both, and
         # with reads_after_commit the COMMIT, in one round trip.
         due_and_live = d.due_and_live(queue)
@@ -335,6 +408,15 @@ def _shifted_insert(entry: tuple[Any, ...], shift: float) -> tuple[Any, ...]:
     return (*entry[:3], entry[3] + shift, priority, until, *entry[6:])
 
 
+def group_of(entry: tuple[Any, ...]) -> str | None:
+    """The group of a Batch.inserts entry (its 7th item), None without one.
+
+    A caller of before groups put its own object there: anything but a str is no group.
+    """
+    group = entry[6] if len(entry) > 6 else None
+    return group if isinstance(group, str) else None
+
+
 def _shifted(
     outcome: tuple[str, int, tuple[Any, ...]], shift: float
 ) -> tuple[str, int, tuple[Any, ...]]:
@@ -367,7 +449,17 @@ def _insert(
             plain.append(entry)
             continue
         flush()
-        params = (queue, key, entry[1], entry[2], entry[3], now, entry[4], entry[5])
+        params = (
+            queue,
+            key,
+            entry[1],
+            entry[2],
+            entry[3],
+            now,
+            entry[4],
+            entry[5],
+            group_of(entry),
+        )
         inserted.append(
             insert_keyed(
                 d.execute,
@@ -498,6 +590,8 @@ class Enqueue:
     """Seconds a keyed row holds its key after it is enqueued (math.inf: for ever), or None."""
     now: float
     """This process's clock when it was prepared."""
+    group: str | None = None
+    """The group of every request, or None."""
 
 
 def check_priority(priority: object) -> int:
@@ -529,6 +623,7 @@ def prepare_enqueue(
     delay: float | None,
     priority: object = 0,
     unique_for: object = None,
+    group: object = None,
 ) -> Enqueue:
     """What ``enqueue_in`` and ``enqueue_many_in`` write, every argument checked and every
     request encoded before anything is written.
@@ -540,6 +635,7 @@ def prepare_enqueue(
     check_queue_name(queue, "queue")
     checked_priority = check_priority(priority)
     hold = check_unique_for(unique_for)
+    checked_group = check_group(group)
     if key is not None and not callable(key):
         raise TypeError("key must be None or a callable giving each request's key")
     if hold is not None and key is None:
@@ -566,7 +662,7 @@ def prepare_enqueue(
         else:
             keys.append(None)
         encoded.append(codec.encode(request))
-    return Enqueue(keys, encoded, state, wait, checked_priority, hold, time.time())
+    return Enqueue(keys, encoded, state, wait, checked_priority, hold, time.time(), checked_group)
 
 
 def enqueue_rows(
@@ -679,11 +775,14 @@ def cancel(d: Dialect, queue: str, id_or_key: object) -> tuple[bool, int | None]
 
 def counts(d: Dialect, queue: str) -> dict[str, int]:
     """The queue's rows by state; "claimed" are running rows whose attempt has not started;
-    and "paused": 1 if the queue is paused, else 0."""
+    "paused": 1 if the queue is paused, else 0; and "limited": the ready rows due that wait
+    only for their group's limit, under the limits the queue's last batch stored (see
+    BatchResult.limited; 0 without limits)."""
     found = dict.fromkeys(COUNTED, 0)
     found["paused"] = 0
     for state, count in d.execute(d.statements.counts, (queue, queue)):
         found[state] = int(count)
+    found["limited"] = limited_now(d, queue)
     return found
 
 
@@ -697,10 +796,18 @@ class QueueReport:
     """The latest failed rows: (id, attempts, error_type, error_message)."""
     paused: bool = False
     """Whether the queue is paused."""
+    limits: dict[str, tuple[int | None, int | None, float]] | None = None
+    """The limits the queue's last batch stored, if any."""
+    groups: list[tuple[str, int, int]] = attrs.Factory(list)
+    """The busiest groups: (group, running, ready), the most running first, then ready."""
 
 
 # Every queue's paused flag, for report().
 PAUSED_QUEUES = "SELECT queue, paused FROM tickler_queues"
+# Every queue's limits, for report().
+QUEUE_LIMITS = "SELECT queue, limits FROM tickler_queues WHERE limits IS NOT NULL"
+# How many groups report() shows.
+BUSIEST_GROUPS = 5
 
 
 def report(
@@ -709,12 +816,15 @@ def report(
     latest: int,
     *,
     paused: bool = True,
+    groups: str | None = None,
 ) -> dict[str, QueueReport]:
     """Every queue's counts and latest failures, by queue name, and whether it is paused
-    (a paused queue without rows too).
+    (a paused queue without rows too), its limits and its busiest groups.
 
     ``failures`` is a statement taking (queue, limit), in the style of ``execute``.
     ``paused``: whether the schema has tickler_queues (an older one has none).
+    ``groups``: a statement of Statements.busiest_groups' kind, or None for a schema
+    without groups.
     """
     by_queue: dict[str, dict[str, int]] = {}
     every_count = (
@@ -728,11 +838,273 @@ def report(
         for queue, flag in flags.items():
             if flag:
                 by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))
+    limits: dict[str, dict[str, tuple[int | None, int | None, float]]] = {}
+    if groups is not None:
+        for queue, text in execute(QUEUE_LIMITS, ()):
+            parsed = parse_limits(text)
+            if parsed:
+                limits[queue] = parsed
+                by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))
     return {
         queue: QueueReport(
             found,
             [(*row,) for row in execute(failures, (queue, latest))],
             flags.get(queue, False),
+            limits.get(queue),
+            []
+            if groups is None
+            else [
+                (str(g), int(running), int(ready))
+                for g, running, ready in execute(groups, (queue, BUSIEST_GROUPS))
+            ],
         )
         for queue, found in sorted(by_queue.items())
     }
+
+
+# -- Per-group limits: the claim of a batch with Batch.limits, and its counts
+
+# (concurrency, rate, per) by group name, "*" for the groups not named.
+Limits = Mapping[str, tuple[int | None, int | None, float]]
+
+# Besides the rows a limited claim asks for, how many more its first look reads in claim
+# order, whatever their group: past that many rows of groups at their limit, the claim
+# looks group by group instead, so that it never reads a blocked group's backlog.
+CHUNK_EXTRA = 64
+
+# The longest group name a store takes, in bytes of UTF-8.
+MAX_GROUP_BYTES = 200
+
+
+def check_group(group: object) -> str | None:
+    """A request's group, checked: None, or a str of 1 to MAX_GROUP_BYTES bytes of UTF-8
+    without NUL."""
+    if group is None:
+        return None
+    if not isinstance(group, str):
+        raise TypeError("group must be None or a str")
+    try:
+        size = len(group.encode())
+    except UnicodeEncodeError:
+        raise ValueError("group must be valid UTF-8 (it holds a lone surrogate)") from None
+    if "\0" in group:
+        raise ValueError("group must not hold a NUL character")
+    if not 0 < size <= MAX_GROUP_BYTES:
+        raise ValueError(f"group must be 1 to {MAX_GROUP_BYTES} bytes in UTF-8")
+    return group
+
+
+def normal_limits(limits: Limits) -> dict[str, tuple[int | None, int | None, float]]:
+    """Batch.limits as a dict of plain tuples."""
+    return {
+        str(group): (
+            None if c is None else int(c),
+            None if r is None else int(r),
+            float(per),
+        )
+        for group, (c, r, per) in limits.items()
+    }
+
+
+def limits_text(limits: Limits) -> str:
+    """The JSON text tickler_queues.limits holds: {group: [concurrency, rate, per]}."""
+    return json.dumps(
+        {group: list(limit) for group, limit in limits.items()},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+def parse_limits(text: str | None) -> dict[str, tuple[int | None, int | None, float]] | None:
+    """The limits of tickler_queues.limits; None for none, or for text this cannot read."""
+    if not text:
+        return None
+    try:
+        found = json.loads(text)
+        return normal_limits({group: tuple(limit) for group, limit in found.items()})
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def write_limits(d: Dialect, queue: str, limits: Limits) -> None:
+    """Keep the batch's limits in tickler_queues, when they differ from what this session
+    wrote last."""
+    text = limits_text(limits)
+    if d.limits_written.get(queue) != text:
+        d.execute(d.statements.set_limits, (queue, text))
+        d.limits_written[queue] = text
+
+
+@attrs.define
+class _Slots:
+    """What each group holds of its limits, at one time: its running rows and its starts."""
+
+    limits: Limits
+    now: float
+    running: dict[str, int]
+    starts: dict[str, list[float]]
+
+    def limit_of(self, group: str) -> tuple[int | None, int | None, float] | None:
+        found = self.limits.get(group)
+        return found if found is not None else self.limits.get("*")
+
+    def room(self, group: str) -> int | None:
+        """How many more attempts of the group may start now; None: no bound."""
+        limit = self.limit_of(group)
+        if limit is None:
+            return None
+        concurrency, rate, per = limit
+        rooms = []
+        if concurrency is not None:
+            rooms.append(concurrency - self.running.get(group, 0))
+        if rate is not None:
+            since = self.now - per
+            rooms.append(rate - sum(1 for t in self.starts.get(group, ()) if t > since))
+        return max(0, min(rooms)) if rooms else None
+
+    def rated(self, group: str) -> bool:
+        limit = self.limit_of(group)
+        return limit is not None and limit[1] is not None
+
+    def take(self, group: str) -> None:
+        self.running[group] = self.running.get(group, 0) + 1
+        if self.rated(group):
+            self.starts.setdefault(group, []).append(self.now)
+
+    def copy(self) -> _Slots:
+        return _Slots(
+            self.limits,
+            self.now,
+            dict(self.running),
+            {group: list(times) for group, times in self.starts.items()},
+        )
+
+
+def _window(limits: Limits) -> float:
+    """The longest window of the rate limits; 0.0 without any."""
+    return max((per for _, rate, per in limits.values() if rate is not None), default=0.0)
+
+
+def _slots(d: Dialect, queue: str, limits: Limits, now: float) -> _Slots:
+    """Each group's running rows (unexpired leases) and starts within the longest window."""
+    x, sql = d.execute, d.statements
+    running = {group: int(n) for group, n in x(sql.running_groups, (queue, now))}
+    starts: dict[str, list[float]] = {}
+    window = _window(limits)
+    if window > 0:
+        for group, started_at in x(sql.starts_since, (queue, now - window)):
+            starts.setdefault(group, []).append(float(started_at))
+    return _Slots(limits, now, running, starts)
+
+
+def _claim_key(row: tuple[Any, ...]) -> tuple[int, float, int]:
+    return -row[1], row[2], row[0]
+
+
+def claim_limited(
+    d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits
+) -> tuple[list[Claimed], int]:
+    """Claim up to ``limit`` rows as Dialect.claim does, but for the groups at their limit
+    (see Batch.limits); the rows claimed, and how many ready rows wait for their group's
+    limit after the claim (BatchResult.limited).
+
+    Every process's limited claims of the queue take turns (Dialect.lock_limited). The
+    claim counts each group's running rows whose lease has not run out and its recorded
+    starts within its window, then walks the candidates in claim order, skipping a row
+    whose group has no room left. It first reads the first ``limit`` + CHUNK_EXTRA ready
+    rows in claim order (with the lapsed leases): enough unless groups at their limit
+    hold as many rows in front. Then it reads group by group instead: the groups that
+    have ready rows, found one index probe each, and for each with room, its first rows,
+    as many as it has room for; and the rows of no group. No backlog of a blocked group
+    is ever read past its first row. The start of each claimed row of a rate-limited group
+    is recorded, and starts older than the longest window deleted.
+    """
+    x, sql = d.execute, d.statements
+    now = d.lock_limited(queue)
+    paused = x(sql.paused, (queue,)).fetchone()
+    if paused is not None and paused[0]:
+        return [], 0
+    window = _window(limits)
+    if window > 0:
+        x(sql.prune_starts, (queue, now - window))
+    base = _slots(d, queue, limits, now)
+    expired = [tuple(row) for row in x(sql.expired_rows, (queue, now, owner, limit))]
+
+    def walk(candidates: list[tuple[Any, ...]], slots: _Slots) -> list[tuple[int, str | None]]:
+        candidates.sort(key=_claim_key)
+        picked: list[tuple[int, str | None]] = []
+        seen: set[int] = set()
+        for request_id, _, _, group in candidates:
+            if len(picked) >= limit:
+                break
+            if request_id in seen:
+                continue
+            seen.add(request_id)
+            if group is not None:
+                room = slots.room(group)
+                if room is not None and room <= 0:
+                    continue
+                slots.take(group)
+            picked.append((request_id, group))
+        return picked
+
+    size = limit + CHUNK_EXTRA
+    chunk = [tuple(row) for row in d.ready_chunk(queue, now, size)]
+    slots = base.copy()
+    picked = walk(expired + chunk, slots)
+    if len(picked) < limit and len(chunk) >= size:
+        # Groups at their limit fill the first rows: look group by group.
+        slots = base.copy()
+        wants: list[tuple[str, int]] = []
+        for (group,) in x(sql.ready_groups, (queue, queue)):
+            room = slots.room(group)
+            if room is None or room > 0:
+                wants.append((group, limit if room is None else min(room, limit)))
+        candidates = [tuple(row) for row in x(sql.ungrouped_ready, (queue, now, limit))]
+        if wants:
+            candidates += [tuple(row) for row in d.group_heads(queue, now, wants)]
+        picked = walk(expired + candidates, slots)
+    rows: list[Claimed] = []
+    if picked:
+        ids = [request_id for request_id, _ in picked]
+        rows = [
+            tuple(row) for row in x(sql.claim_ids, (owner, now + lease, d.listed(ids), now, owner))
+        ]
+        if len(rows) < len(picked):  # (a row cancelled in between)
+            taken = {row[0] for row in rows}
+            slots = base.copy()
+            for request_id, group in picked:
+                if request_id in taken and group is not None:
+                    slots.take(group)
+            picked = [(i, g) for i, g in picked if i in taken]
+        started = [g for _, g in picked if g is not None and slots.rated(g)]
+        if started:
+            x(sql.record_starts, (queue, now, d.listed(started)))
+    return rows, _limited(d, queue, slots, {g for _, g in picked if g is not None})
+
+
+def _limited(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> int:
+    """How many due ready rows wait only for their group's limit, as ``slots`` has them."""
+    x, sql = d.execute, d.statements
+    groups = set(slots.running) | set(slots.starts) | also
+    groups.update(group for group in slots.limits if group != "*")
+    default = slots.limits.get("*")
+    if default is not None and (default[0] == 0 or default[1] == 0):
+        # Every group not named is blocked, with rows or not: ask which have rows.
+        groups.update(group for (group,) in x(sql.ready_groups, (queue, queue)))
+    blocked = sorted(group for group in groups if slots.room(group) == 0)
+    if not blocked:
+        return 0
+    (count,) = x(sql.limited_count, (queue, d.listed(blocked), slots.now)).fetchone()
+    return int(count)
+
+
+def limited_now(d: Dialect, queue: str) -> int:
+    """BatchResult.limited as of now, with the limits the queue's last batch stored (0 if
+    none)."""
+    row = d.execute(d.statements.limits_of, (queue,)).fetchone()
+    limits = parse_limits(row[0]) if row is not None else None
+    if not limits:
+        return 0
+    now = d.now()[0]
+    return _limited(d, queue, _slots(d, queue, limits, now), set())

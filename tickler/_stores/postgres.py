@@ -31,6 +31,7 @@ from ._sql import (
     cancel,
     counts,
     enqueue_rows,
+    group_of,
     lookup,
     prepare_enqueue,
     report,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # A schema's name also names its NOTIFY channel, "tickler_" + schema, which
 # PostgreSQL caps at 63 bytes.
@@ -86,7 +87,8 @@ CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
     WHERE state = 'running';
 CREATE INDEX tickler_finished ON tickler_requests (finished_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled');
-{_V2}
+{_V2};
+{_V3}
 """
 
 # Version 2, from version 1: each row's priority and the time until which it holds its
@@ -115,10 +117,31 @@ CREATE TABLE IF NOT EXISTS tickler_periodic (
 )
 """
 
-_SCHEMA = _SCHEMA.format(_V2=_V2)
+# Version 3, from version 2: each row's group, and the index of ready rows by group, in
+# claim order within each group (a group's first ready rows, the rows of no group, and
+# the groups that have ready rows, one probe each, are read on it; a group's running rows
+# are counted on tickler_running); the recent starts of rate-limited groups, deleted once
+# older than the longest window of the limits; each queue's limits as its last batch
+# gave them (JSON). Each step is skipped where the schema already has it.
+_V3 = """
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS group_name TEXT;
+ALTER TABLE tickler_queues ADD COLUMN IF NOT EXISTS limits TEXT;
+CREATE INDEX IF NOT EXISTS tickler_groups
+    ON tickler_requests (queue, group_name, priority DESC, run_at, id)
+    WHERE state IN ('queued', 'scheduled', 'retrying');
+CREATE TABLE IF NOT EXISTS tickler_starts (
+    queue TEXT NOT NULL,
+    group_name TEXT NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tickler_starts_by_group
+    ON tickler_starts (queue, group_name, started_at)
+"""
+
+_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3)
 
 # From each older version, the statements that bring a schema to the next one.
-_MIGRATIONS = {1: _TO_V2 + _V2}
+_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3}
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
@@ -141,7 +164,7 @@ _STATEMENTS = Statements(
     # A keyed row, unless its key is held by a row whose unique_until has not come, or
     # live (the conflict with tickler_live_keys).
     insert=f"{INSERT_COLUMNS}"  # noqa: S608 (constants only)
-    " SELECT %s, %s, %s, %s::bytea, %s::float8, %s::float8, %s::int4, %s::float8"
+    " SELECT %s, %s, %s, %s::bytea, %s::float8, %s::float8, %s::int4, %s::float8, %s::text"
     " WHERE NOT EXISTS (SELECT 1 FROM tickler_requests"
     " WHERE queue = %s AND key = %s AND key IS NOT NULL AND unique_until > %s)"
     f" ON CONFLICT (queue, key) WHERE key IS NOT NULL AND {_LIVE_STATE} DO NOTHING RETURNING id",
@@ -178,7 +201,88 @@ _STATEMENTS = Statements(
     " ON CONFLICT (queue, name) DO NOTHING RETURNING 1",
     tick_advance="UPDATE tickler_periodic SET last_tick = %s"
     " WHERE queue = %s AND name = %s AND last_tick < %s RETURNING 1",
+    set_limits="INSERT INTO tickler_queues (queue, limits) VALUES (%s, %s)"
+    " ON CONFLICT (queue) DO UPDATE SET limits = excluded.limits",
+    limits_of="SELECT limits FROM tickler_queues WHERE queue = %s",
+    paused="SELECT paused FROM tickler_queues WHERE queue = %s",
+    # (on tickler_running: the running rows of the queue whose lease runs after now)
+    running_groups="SELECT group_name, count(*) FROM tickler_requests"
+    " WHERE queue = %s AND state = 'running' AND lease_until > %s AND group_name IS NOT NULL"
+    " GROUP BY group_name",
+    starts_since="SELECT group_name, started_at FROM tickler_starts"
+    " WHERE queue = %s AND started_at > %s",
+    prune_starts="DELETE FROM tickler_starts WHERE queue = %s AND started_at <= %s",
+    record_starts="INSERT INTO tickler_starts (queue, group_name, started_at)"
+    " SELECT %s, g, %s FROM unnest(%s::text[]) AS g",
+    ready_groups=f"""
+WITH RECURSIVE g(name) AS (
+    (SELECT group_name FROM tickler_requests
+     WHERE queue = %s AND {_READY} AND group_name IS NOT NULL
+     ORDER BY group_name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT group_name FROM tickler_requests
+            WHERE queue = %s AND {_READY} AND group_name > g.name
+            ORDER BY group_name LIMIT 1)
+    FROM g WHERE g.name IS NOT NULL
 )
+SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
+    ungrouped_ready="SELECT id, priority, run_at, group_name FROM tickler_requests"  # noqa: S608 (constants only)
+    f" WHERE queue = %s AND {_READY} AND group_name IS NULL"
+    " AND run_at <= %s ORDER BY priority DESC, run_at, id LIMIT %s",
+    expired_rows="SELECT id, priority, run_at, group_name FROM tickler_requests"
+    " WHERE queue = %s AND state = 'running' AND lease_until < %s"
+    " AND owner <> %s AND NOT cancel_requested ORDER BY lease_until LIMIT %s",
+    claim_ids="UPDATE tickler_requests SET state = 'running', owner = %s, lease_until = %s,"  # noqa: S608 (constants only)
+    " attempts = attempts + 1, started_at = NULL"
+    f" WHERE id = ANY(%s::int8[]) AND ({_READY}"
+    " OR (state = 'running' AND lease_until < %s AND owner <> %s AND NOT cancel_requested))"
+    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
+    limited_count="SELECT count(*) FROM tickler_requests"  # noqa: S608 (constants only)
+    f" WHERE queue = %s AND {_READY} AND group_name = ANY(%s::text[]) AND run_at <= %s",
+    busiest_groups="SELECT group_name, count(*) FILTER (WHERE state = 'running'),"  # noqa: S608 (constants only)
+    " count(*) FILTER (WHERE state <> 'running')"
+    f" FROM tickler_requests WHERE queue = %s AND group_name IS NOT NULL AND {_LIVE_STATE}"
+    " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT %s",
+)
+
+# A limited claim's first look: the first rows due in claim order, whatever their group,
+# read as the claim reads them (priority by priority), without locking them.
+_READY_CHUNK = f"""
+SELECT id, priority, due, group_name FROM (
+    SELECT ready.id, ready.priority, ready.run_at AS due, ready.group_name FROM (
+        WITH RECURSIVE level(p) AS (
+            (SELECT priority FROM tickler_requests
+             WHERE queue = %(queue)s AND {_READY}
+             ORDER BY priority DESC LIMIT 1)
+            UNION ALL
+            SELECT (SELECT priority FROM tickler_requests
+                    WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+                    ORDER BY priority DESC LIMIT 1)
+            FROM level WHERE level.p IS NOT NULL
+        )
+        SELECT p FROM level WHERE p IS NOT NULL
+    ) AS level
+    CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND priority = level.p
+            AND run_at <= %(now)s
+        ORDER BY run_at, id LIMIT %(limit)s
+    ) AS ready
+) AS rows
+ORDER BY priority DESC, due, id LIMIT %(limit)s
+"""  # noqa: S608 (constants only)
+
+# The first rows of each group asked for, as many as asked, on tickler_groups.
+_GROUP_HEADS = f"""
+SELECT head.id, head.priority, head.run_at, head.group_name
+FROM unnest(%(groups)s::text[], %(counts)s::int8[]) AS want(name, n)
+CROSS JOIN LATERAL (
+    SELECT id, priority, run_at, group_name FROM tickler_requests
+    WHERE queue = %(queue)s AND {_READY} AND group_name = want.name
+        AND run_at <= %(now)s
+    ORDER BY priority DESC, run_at, id LIMIT want.n
+) AS head
+"""  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
 # each priority's in the order they fell due, and the expired leases,
@@ -414,6 +518,7 @@ class PostgresStore:
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> int:
         """Write a request through the caller's psycopg connection, in its open transaction.
 
@@ -427,6 +532,9 @@ class PostgresStore:
             unique_for: seconds the key stays taken after this enqueue, even
                 once the request is final (``math.inf``: for ever); retention
                 keeps the row until then. Needs ``key``.
+            group: the request's group, whose limits (a service's ``limits``) apply to
+                it across every replica; None: no group, never limited. A str of 1 to
+                200 bytes in UTF-8, without NUL.
 
         Returns:
             The new request's id, or the id of the request holding ``key``: its
@@ -441,11 +549,12 @@ class PostgresStore:
                 ``key`` over MAX_KEY_BYTES (see the class's note on keys);
                 ``priority`` or ``unique_for`` out of range, or ``unique_for``
                 without ``key``.
-            TypeError: ``priority`` is not an int, ``unique_for`` not a number.
+            TypeError: ``priority`` is not an int, ``unique_for`` not a number,
+                ``group`` not a str.
         """
         keyed = None if key is None else (lambda _: key)
         prepared = prepare_enqueue(
-            self._codecs, queue, [request], keyed, delay, priority, unique_for
+            self._codecs, queue, [request], keyed, delay, priority, unique_for, group
         )
         return self._enqueue(connection, queue, prepared)[0]
 
@@ -459,12 +568,14 @@ class PostgresStore:
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> list[int]:
         """Write many requests through the caller's psycopg connection, in its open
         transaction, in one statement.
 
         As ``enqueue_in`` for each request, in order. ``key``, if given, is
-        called with each request and gives its key, or None for none. Every
+        called with each request and gives its key, or None for none; ``group``
+        is every request's. Every
         request is checked and encoded before anything is written. A key that
         another transaction inserts at the same moment takes one more statement.
 
@@ -476,7 +587,9 @@ class PostgresStore:
         Raises:
             As ``enqueue_in``; TypeError if ``key`` is not callable.
         """
-        prepared = prepare_enqueue(self._codecs, queue, requests, key, delay, priority, unique_for)
+        prepared = prepare_enqueue(
+            self._codecs, queue, requests, key, delay, priority, unique_for, group
+        )
         return self._enqueue(connection, queue, prepared)
 
     def _enqueue(self, connection: psycopg.Connection[Any], queue: str, e: Enqueue) -> list[int]:
@@ -496,6 +609,7 @@ class PostgresStore:
             "delay": e.delay,
             "priority": e.priority,
             "unique_for": e.unique_for,
+            "group": e.group,
             "channel": self.channel,
         }
         # A cursor of its own reads rows as tuples, whatever the connection's
@@ -542,10 +656,12 @@ class PostgresStore:
             table = f'"{self.schema}".tickler_requests'
             insert = (
                 f"INSERT INTO {table}"  # noqa: S608
-                " (queue, key, state, request, run_at, enqueued_at, priority, unique_until)"
+                " (queue, key, state, request, run_at, enqueued_at, priority, unique_until,"
+                " group_name)"
                 " SELECT %(queue)s, u.key, %(state)s, u.request, c.now + %(delay)s::float8,"
                 " c.now, %(priority)s::int4,"
-                " CASE WHEN u.key IS NULL THEN NULL ELSE c.now + %(unique_for)s::float8 END"
+                " CASE WHEN u.key IS NULL THEN NULL ELSE c.now + %(unique_for)s::float8 END,"
+                " %(group)s::text"
                 " FROM unnest(%(requests)b::bytea[], %(keys)b::text[]) WITH ORDINALITY"
                 " AS u(request, key, ord),"
                 " (SELECT extract(epoch FROM statement_timestamp())::float8 AS now) AS c"
@@ -607,6 +723,7 @@ class PostgresSession:
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
+        self.limits_written: dict[str, str] = {}
         self.db = self._open()
         self._pipeline: psycopg.Pipeline | None = None
 
@@ -727,8 +844,8 @@ class PostgresSession:
         """One INSERT of many rows; their ids read back, since other sessions draw from the
         same sequence."""
         # Only placeholders are formatted into the statement.
-        marks = ",".join(["(%s, NULL, %s, %s, %s, %s, %s, NULL)"] * len(entries))
-        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4])]
+        marks = ",".join(["(%s, NULL, %s, %s, %s, %s, %s, NULL, %s)"] * len(entries))
+        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4], group_of(e))]
         rows = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks} RETURNING id", params).fetchall()
         # One statement allocates ids in the order of its rows.
         return sorted(request_id for (request_id,) in rows)
@@ -793,6 +910,36 @@ class PostgresSession:
             except psycopg.Error:
                 if self.db.closed or self.db.broken:
                     raise
+
+    def listed(self, values: Sequence[Any]) -> list[Any]:
+        return list(values)
+
+    def lock_limited(self, queue: str) -> float:
+        """A transaction's advisory lock on the schema and queue, which every replica's
+        limited claim of the queue takes; then the server's clock, read once it is held.
+
+        A claim without limits takes no such lock.
+        """
+        key = f"tickler:{self.store.schema}:limits:{queue}"
+        self.db.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
+        row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        assert row is not None
+        return float(row[0])
+
+    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
+        params = {"queue": queue, "now": now, "limit": size}
+        return self.db.execute(_READY_CHUNK, params).fetchall()
+
+    def group_heads(
+        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
+    ) -> list[tuple[Any, ...]]:
+        params = {
+            "queue": queue,
+            "now": now,
+            "groups": [group for group, _ in wants],
+            "counts": [count for _, count in wants],
+        }
+        return self.db.execute(_GROUP_HEADS, params).fetchall()
 
     # -- connection handling
 
@@ -931,6 +1078,7 @@ def inspect(dsn: str, schema: str, latest: int) -> dict[str, QueueReport]:
             _FAILURES,
             latest,
             paused=version[0] >= 2,
+            groups=_STATEMENTS.busiest_groups if version[0] >= 3 else None,
         )
     finally:
         db.close()

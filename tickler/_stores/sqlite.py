@@ -30,6 +30,7 @@ from ._sql import (
     cancel,
     counts,
     enqueue_rows,
+    group_of,
     lookup,
     prepare_enqueue,
     report,
@@ -37,7 +38,7 @@ from ._sql import (
     seconds,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Which states a partial index holds, written out as ORs: SQLite builds a
 # temporary table for an IN list of three or more values each time it checks
@@ -138,14 +139,55 @@ def _to_v3(db: sqlite3.Connection) -> None:
         db.execute(create)
 
 
+# Version 4's index of ready rows by group, in claim order within each group: a group's
+# first ready rows, the rows of no group, and the groups that have ready rows (one probe
+# each) are read on it. A group's running rows are counted on tickler_running.
+_GROUPS_INDEX = (
+    "CREATE INDEX IF NOT EXISTS tickler_groups ON tickler_requests"
+    f" (queue, group_name, priority DESC, run_at, id) WHERE {_READY}"
+)
+
+# Version 4's table of the recent starts of rate-limited groups, each a start of an attempt
+# claimed under Batch.limits; deleted once older than the longest window of the limits.
+_STARTS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS tickler_starts ("
+    " queue TEXT NOT NULL, group_name TEXT NOT NULL, started_at REAL NOT NULL)"
+)
+_STARTS_INDEX = (
+    "CREATE INDEX IF NOT EXISTS tickler_starts_by_group"
+    " ON tickler_starts (queue, group_name, started_at)"
+)
+
+
+def _to_v4(db: sqlite3.Connection) -> None:
+    """Version 4: each row's group, and the index of ready rows by group; the recent starts
+    of rate-limited groups; each queue's limits as its last batch gave them (JSON).
+
+    Each step is skipped where the file already has it.
+    """
+    columns = {row[1] for row in db.execute("PRAGMA table_info(tickler_requests)")}
+    if "group_name" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN group_name TEXT")
+    queue_columns = {row[1] for row in db.execute("PRAGMA table_info(tickler_queues)")}
+    if "limits" not in queue_columns:
+        db.execute("ALTER TABLE tickler_queues ADD COLUMN limits TEXT")
+    db.execute(_GROUPS_INDEX)
+    db.execute(_STARTS_TABLE)
+    db.execute(_STARTS_INDEX)
+
+
 # From each older version, what brings a file to the next one.
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_v2, 2: _to_v3}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    1: _to_v2,
+    2: _to_v3,
+    3: _to_v4,
+}
 
 # A keyed row, unless its key is held by a row whose unique_until has not come, or live
 # (the conflict with tickler_live_keys).
 _INSERT = f"""
 {INSERT_COLUMNS}
-SELECT ?, ?, ?, ?, ?, ?, ?, ?
+SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?
 WHERE NOT EXISTS (
     SELECT 1 FROM tickler_requests
     WHERE queue = ? AND key = ? AND key IS NOT NULL AND unique_until > ?
@@ -173,7 +215,8 @@ ORDER BY key, {_LIVE_STATE} DESC, id DESC
 
 # enqueue_many_in's rows, (key, request) each, as many as _MANY_ROWS in one statement:
 # the same words for every full chunk, so one prepared statement. The first six
-# parameters are (queue, state, run_at, enqueued_at (now), priority, unique_until).
+# parameters are (queue, state, run_at, enqueued_at (now), priority, unique_until), and the
+# seventh the group.
 _MANY_ROWS = 1000
 
 
@@ -183,7 +226,7 @@ def _many_sql(rows: int) -> str:
     values = ",".join(["(?, ?)"] * rows)
     return (
         f"{INSERT_COLUMNS} SELECT ?1, v.column1, ?2, v.column2, ?3, ?4, ?5,"  # noqa: S608
-        " CASE WHEN v.column1 IS NULL THEN NULL ELSE ?6 END"
+        " CASE WHEN v.column1 IS NULL THEN NULL ELSE ?6 END, ?7"
         f" FROM (VALUES {values}) AS v"
         " WHERE v.column1 IS NULL OR NOT EXISTS ("
         " SELECT 1 FROM tickler_requests AS h WHERE h.queue = ?1 AND h.key = v.column1"
@@ -231,7 +274,61 @@ _STATEMENTS = Statements(
     " ON CONFLICT (queue, name) DO NOTHING RETURNING 1",
     tick_advance="UPDATE tickler_periodic SET last_tick = ?"
     " WHERE queue = ? AND name = ? AND last_tick < ? RETURNING 1",
+    set_limits="INSERT INTO tickler_queues (queue, limits) VALUES (?, ?)"
+    " ON CONFLICT (queue) DO UPDATE SET limits = excluded.limits",
+    limits_of="SELECT limits FROM tickler_queues WHERE queue = ?",
+    paused="SELECT paused FROM tickler_queues WHERE queue = ?",
+    # (on tickler_running: the running rows of the queue whose lease runs after now)
+    running_groups="SELECT group_name, count(*) FROM tickler_requests"
+    " WHERE queue = ? AND state = 'running' AND lease_until > ? AND group_name IS NOT NULL"
+    " GROUP BY group_name",
+    starts_since="SELECT group_name, started_at FROM tickler_starts"
+    " WHERE queue = ? AND started_at > ?",
+    prune_starts="DELETE FROM tickler_starts WHERE queue = ? AND started_at <= ?",
+    record_starts="INSERT INTO tickler_starts (queue, group_name, started_at)"
+    " SELECT ?1, value, ?2 FROM json_each(?3)",
+    ready_groups=f"""
+WITH RECURSIVE g(name) AS (
+    SELECT min(group_name) FROM tickler_requests
+    WHERE queue = ? AND {_READY} AND group_name IS NOT NULL
+    UNION ALL
+    SELECT (SELECT min(group_name) FROM tickler_requests
+            WHERE queue = ? AND {_READY} AND group_name > g.name)
+    FROM g WHERE g.name IS NOT NULL
 )
+SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
+    ungrouped_ready="SELECT id, priority, run_at, group_name FROM tickler_requests"  # noqa: S608 (constants only)
+    f" INDEXED BY tickler_groups WHERE queue = ? AND {_READY} AND group_name IS NULL"
+    " AND run_at <= ? ORDER BY priority DESC, run_at, id LIMIT ?",
+    expired_rows="SELECT id, priority, run_at, group_name FROM tickler_requests"
+    " WHERE queue = ? AND state = 'running' AND lease_until < ?"
+    " AND owner <> ? AND NOT cancel_requested ORDER BY lease_until LIMIT ?",
+    claim_ids="UPDATE tickler_requests SET state = 'running', owner = ?1, lease_until = ?2,"  # noqa: S608 (constants only)
+    " attempts = attempts + 1, started_at = NULL"
+    f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
+    " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
+    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
+    limited_count="SELECT count(*) FROM tickler_requests"  # noqa: S608 (constants only)
+    f" WHERE queue = ?1 AND {_READY} AND group_name IN (SELECT value FROM json_each(?2))"
+    " AND run_at <= ?3",
+    busiest_groups="SELECT group_name, sum(state = 'running'), sum(state <> 'running')"  # noqa: S608 (constants only)
+    f" FROM tickler_requests WHERE queue = ? AND group_name IS NOT NULL AND {_LIVE_STATE}"
+    " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT ?",
+)
+
+# A limited claim's rows: of one priority, due by now, in claim order, with their group.
+_READY_AT_GROUPS = f"""
+SELECT id, priority, run_at, group_name FROM tickler_requests
+WHERE queue = :queue AND {_READY} AND priority = :priority AND run_at <= :now
+ORDER BY run_at, id LIMIT :limit
+"""  # noqa: S608 (constants only)
+
+# A group's first ready rows due by now, in claim order, on tickler_groups.
+_GROUP_HEAD = f"""
+SELECT id, priority, run_at, group_name FROM tickler_requests INDEXED BY tickler_groups
+WHERE queue = ? AND {_READY} AND group_name = ? AND run_at <= ?
+ORDER BY priority DESC, run_at, id LIMIT ?
+"""  # noqa: S608 (constants only)
 
 # A claim runs under the file's write lock, in steps. Ready rows are taken
 # priority by priority, the highest first: each priority's rows due by now, in
@@ -395,6 +492,7 @@ class SqliteStore:
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> int:
         """Write a request through the caller's connection, inside its open transaction.
 
@@ -410,6 +508,9 @@ class SqliteStore:
             unique_for: seconds the key stays taken after this enqueue, even
                 once the request is final (``math.inf``: for ever); retention
                 keeps the row until then. Needs ``key``.
+            group: the request's group, whose limits (a service's ``limits``) apply to
+                it across every process; None: no group, never limited. A str of 1 to
+                200 bytes in UTF-8, without NUL.
 
         Returns:
             The new request's id, or the id of the request holding ``key``: its
@@ -422,13 +523,14 @@ class SqliteStore:
                 ``key`` over MAX_KEY_BYTES (see the class's note on keys);
                 ``priority`` or ``unique_for`` out of range, or ``unique_for``
                 without ``key``.
-            TypeError: ``priority`` is not an int, ``unique_for`` not a number.
+            TypeError: ``priority`` is not an int, ``unique_for`` not a number,
+                ``group`` not a str.
         """
         if not isinstance(connection, sqlite3.Connection):
             raise TypeError("connection must be a sqlite3.Connection")
         keyed = None if key is None else (lambda _: key)
         prepared = prepare_enqueue(
-            self._codecs, queue, [request], keyed, delay, priority, unique_for
+            self._codecs, queue, [request], keyed, delay, priority, unique_for, group
         )
         return self._enqueue(connection, queue, prepared)[0]
 
@@ -442,13 +544,14 @@ class SqliteStore:
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> list[int]:
         """Write many requests through the caller's connection, inside its open transaction.
 
         As ``enqueue_in`` for each request, in order, in one statement per
         1,000 requests. ``key``, if given, is called with each request and
-        gives its key, or None for none. Every request is checked and
-        encoded before anything is written.
+        gives its key, or None for none; ``group`` is every request's. Every
+        request is checked and encoded before anything is written.
 
         Returns:
             Each request's id, in order: a request whose key is taken (by a
@@ -460,13 +563,15 @@ class SqliteStore:
         """
         if not isinstance(connection, sqlite3.Connection):
             raise TypeError("connection must be a sqlite3.Connection")
-        prepared = prepare_enqueue(self._codecs, queue, requests, key, delay, priority, unique_for)
+        prepared = prepare_enqueue(
+            self._codecs, queue, requests, key, delay, priority, unique_for, group
+        )
         return self._enqueue(connection, queue, prepared)
 
     def _enqueue(self, connection: sqlite3.Connection, queue: str, e: Enqueue) -> list[int]:
         """Insert prepared requests; their ids. Times are this process's clock."""
         hold = None if e.unique_for is None else e.now + e.unique_for
-        head = (queue, e.state, e.now + e.delay, e.now, e.priority, hold)
+        head = (queue, e.state, e.now + e.delay, e.now, e.priority, hold, e.group)
 
         def insert(rows: list[tuple[str | None, bytes]]) -> list[tuple[int, str | None]]:
             written: list[tuple[int, str | None]] = []
@@ -512,6 +617,7 @@ class SqliteSession:
     finals_overlap = 1.0
 
     def __init__(self, store: SqliteStore) -> None:
+        self.limits_written: dict[str, str] = {}
         path = store.path
         if path.is_dir():
             raise StoreError(f"{path} is a directory, not a SQLite database")
@@ -578,8 +684,8 @@ class SqliteSession:
         id costs less than RETURNING.
         """
         # Only placeholders are formatted into the statement.
-        marks = ",".join(["(?, NULL, ?, ?, ?, ?, ?, NULL)"] * len(entries))
-        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4])]
+        marks = ",".join(["(?, NULL, ?, ?, ?, ?, ?, NULL, ?)"] * len(entries))
+        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4], group_of(e))]
         cursor = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks}", params)
         count, last = cursor.rowcount, cursor.lastrowid or 0
         if count != len(entries):
@@ -666,6 +772,33 @@ class SqliteSession:
     def after_error_in_transaction(self) -> None:
         """Nothing to do: SQLite takes the next statement after one failed."""
 
+    def listed(self, values: Sequence[Any]) -> str:
+        return json.dumps(list(values))
+
+    def lock_limited(self, queue: str) -> float:
+        """The batch holds the file's write lock already (BEGIN IMMEDIATE)."""
+        return time.time()
+
+    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
+        """Priority by priority, the highest first, as the claim reads them."""
+        x = self.db.execute
+        found: list[tuple[Any, ...]] = []
+        priority = x(_TOP_PRIORITY, (queue,)).fetchone()[0]
+        while priority is not None and len(found) < size:
+            params = {"queue": queue, "priority": priority, "now": now}
+            found.extend(x(_READY_AT_GROUPS, {**params, "limit": size - len(found)}).fetchall())
+            priority = x(_NEXT_PRIORITY, (queue, priority)).fetchone()[0]
+        return found
+
+    def group_heads(
+        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
+    ) -> list[tuple[Any, ...]]:
+        """One statement per group: in the process, each costs an index probe."""
+        found: list[tuple[Any, ...]] = []
+        for group, count in wants:
+            found.extend(self.db.execute(_GROUP_HEAD, (queue, group, now, count)).fetchall())
+        return found
+
 
 def _check_schema(db: sqlite3.Connection, path: Path) -> None:
     """Create tickler's tables in the file, or check (and migrate) the ones it holds."""
@@ -691,6 +824,7 @@ def _check_schema(db: sqlite3.Connection, path: Path) -> None:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
+                _to_v4(db)
                 db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
                 db.execute("COMMIT")
         except BaseException:
@@ -750,7 +884,13 @@ def inspect(path: Path, latest: int) -> dict[str, QueueReport]:
         # An older version reads the same, but for the paused flags, which it has none of.
         if version is None or (version[0] != SCHEMA_VERSION and version[0] not in _MIGRATIONS):
             raise ValueError(f"{path}: tickler schema version {version and version[0]} unknown")
-        return report(db.execute, _FAILURES, latest, paused=version[0] >= 3)
+        return report(
+            db.execute,
+            _FAILURES,
+            latest,
+            paused=version[0] >= 3,
+            groups=_STATEMENTS.busiest_groups if version[0] >= 4 else None,
+        )
     finally:
         db.close()
 
