@@ -188,7 +188,7 @@ class Statements:
     or running with a lease lapsed before now (not owner's, not asked to cancel);
     RETURNING them as Claimed, priority last."""
     limited_count: str
-    """(queue, groups, now): how many ready rows of the listed groups are due by now."""
+    """{queue, groups, now} (named): how many ready rows of the listed groups are due by now."""
     busiest_groups: str
     """(queue, limit): (group_name, running, ready) of the queue's groups with live rows,
     the most running first, then the most ready, then by name."""
@@ -1095,7 +1095,8 @@ def _limited(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> int:
     blocked = sorted(group for group in groups if slots.room(group) == 0)
     if not blocked:
         return 0
-    (count,) = x(sql.limited_count, (queue, d.listed(blocked), slots.now)).fetchone()
+    params = {"queue": queue, "groups": d.listed(blocked), "now": slots.now}
+    (count,) = x(sql.limited_count, params).fetchone()
     return int(count)
 
 

@@ -308,9 +308,9 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
     " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
     " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
-    limited_count="SELECT count(*) FROM tickler_requests"  # noqa: S608 (constants only)
-    f" WHERE queue = ?1 AND {_READY} AND group_name IN (SELECT value FROM json_each(?2))"
-    " AND run_at <= ?3",
+    limited_count="SELECT count(*) FROM tickler_requests INDEXED BY tickler_groups"  # noqa: S608 (constants only)
+    f" WHERE queue = :queue AND {_READY}"
+    " AND group_name IN (SELECT value FROM json_each(:groups)) AND run_at <= :now",
     busiest_groups="SELECT group_name, sum(state = 'running'), sum(state <> 'running')"  # noqa: S608 (constants only)
     f" FROM tickler_requests WHERE queue = ? AND group_name IS NOT NULL AND {_LIVE_STATE}"
     " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT ?",

@@ -1,0 +1,495 @@
+"""The store side of per-group limits: Batch.limits, BatchResult.limited, groups written by a
+batch and by enqueue_in / enqueue_many_in, the stored limits, and the schema that holds them.
+
+Each test runs once per store in BACKENDS (the conformance suite's), against a
+real database: a SQLite file, a fresh PostgreSQL schema. Most drive a session at
+the seam (``store.connect()``'s ``run``), one Batch at a time, as the loop does;
+two sessions on one store are two processes, racing in threads.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tickler
+from tickler._stores._seam import Batch, BatchResult, Session
+
+from .store_backends import FAST, Backend
+from .test_store_contract import BACKENDS
+
+Limit = tuple[int | None, int | None, float]
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    return BACKENDS[request.param](request, tmp_path)
+
+
+@pytest.fixture
+def store(backend: Backend) -> Any:
+    store = backend.store()
+    store.create_schema()
+    return store
+
+
+@pytest.fixture
+def session(store: Any) -> Iterator[Session]:
+    session = store.connect()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def run(session: Session, batch: Batch, *, owner: str = "me", lease: float = 30.0) -> Any:
+    return session.run("jobs", owner, lease, 86400.0, batch)
+
+
+def entry(
+    request: bytes, group: str | None = None, *, priority: int = 0, at: float | None = None
+) -> tuple[Any, ...]:
+    """A Batch.inserts entry as the engine sends it, with a ticket of its own at the end."""
+    run_at = time.time() if at is None else at
+    state = "scheduled" if run_at > time.time() else "queued"
+    return (None, state, request, run_at, priority, None, group, object())
+
+
+def claimed(result: BatchResult) -> list[bytes]:
+    return [bytes(row[1]) for row in result.claimed]
+
+
+def finish(session: Session, result: BatchResult, *, owner: str = "me") -> None:
+    outcomes = [("succeeded", row[0], (None, time.time())) for row in result.claimed]
+    if outcomes:
+        done = run(session, Batch(outcomes=outcomes), owner=owner)
+        assert done.applied == ["succeeded"] * len(outcomes)
+
+
+def query(backend: Backend, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of ``sql``, whose {tables} are the backend's."""
+    tables = {
+        name: backend.table(name)
+        for name in ("tickler_requests", "tickler_queues", "tickler_starts")
+    }
+    with backend.connect() as connection:
+        return [tuple(row) for row in connection.execute(sql.format(**tables))]
+
+
+def running_by_group(backend: Backend) -> dict[str | None, int]:
+    rows = query(
+        backend,
+        "SELECT group_name, count(*) FROM {tickler_requests}"  # noqa: S608 (the tests' own)
+        f" WHERE state = 'running' AND lease_until > {backend.now} GROUP BY group_name",
+    )
+    return {row[0]: int(row[1]) for row in rows}
+
+
+ONE_EACH: dict[str, Limit] = {"*": (1, None, 1.0)}
+
+
+# -- Groups are written
+
+
+def test_a_batch_and_enqueue_in_write_each_requests_group(
+    backend: Backend, store: Any, session: Session
+) -> None:
+    run(session, Batch(inserts=[entry(b"1", "a"), entry(b"2"), (None, "queued", b"3", 0.0)]))
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_in(connection, "jobs", 4, group="b")
+        store.enqueue_many_in(connection, "jobs", [5, 6], group="é" * 100)
+        store.enqueue_many_in(connection, "jobs", [7], key=str, group="c")
+        store.enqueue_in(connection, "jobs", 8)
+        connection.commit()
+    assert [row[0] for row in backend.select("group_name")] == [
+        "a",
+        None,
+        None,
+        "b",
+        "é" * 100,
+        "é" * 100,
+        "c",
+        None,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("group", "error"),
+    [
+        (1, TypeError),
+        (b"a", TypeError),
+        ("", ValueError),
+        ("a\0b", ValueError),
+        ("\ud800", ValueError),
+        ("x" * 201, ValueError),
+        ("é" * 101, ValueError),  # 202 bytes
+    ],
+)
+def test_a_bad_group_is_refused_naming_group(
+    backend: Backend, store: Any, group: object, error: type[Exception]
+) -> None:
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(error, match="group"):
+            store.enqueue_in(connection, "jobs", 1, group=group)
+        with pytest.raises(error, match="group"):
+            store.enqueue_many_in(connection, "jobs", [1, 2], group=group)
+        connection.commit()
+    assert backend.rows() == []
+
+
+# -- Concurrency
+
+
+def test_concurrency_bounds_each_groups_running_rows(backend: Backend, session: Session) -> None:
+    inserts = [entry(f"{g}{i}".encode(), g) for i in range(4) for g in "ab"]
+    inserts += [entry(b"free 1"), entry(b"free 2")]
+    run(session, Batch(inserts=inserts))
+    first = run(session, Batch(claim=10, limits={"*": (2, None, 1.0)}))
+    assert claimed(first) == [b"a0", b"b0", b"a1", b"b1", b"free 1", b"free 2"]
+    assert first.limited == 4
+    assert running_by_group(backend) == {"a": 2, "b": 2, None: 2}
+    # Full: nothing more until a slot frees.
+    again = run(session, Batch(claim=10, limits={"*": (2, None, 1.0)}))
+    assert (again.claimed, again.limited) == ([], 4)
+    done = [row for row in first.claimed if bytes(row[1]) == b"a0"]
+    outcomes = [("succeeded", done[0][0], (None, time.time()))]
+    after = run(session, Batch(outcomes=outcomes, claim=10, limits={"*": (2, None, 1.0)}))
+    assert claimed(after) == [b"a2"]
+    assert after.limited == 3
+
+
+def test_without_limits_the_claim_takes_every_group(session: Session) -> None:
+    run(session, Batch(inserts=[entry(f"a{i}".encode(), "a") for i in range(3)]))
+    result = run(session, Batch(claim=10))
+    assert claimed(result) == [b"a0", b"a1", b"a2"]
+    assert result.limited == 0
+
+
+def test_two_processes_racing_never_run_two_rows_of_a_group(
+    backend: Backend, store: Any, session: Session
+) -> None:
+    groups = [f"g{n}" for n in range(4)]
+    run(session, Batch(inserts=[entry(f"{g}/{i}".encode(), g) for i in range(8) for g in groups]))
+    run(session, Batch(inserts=[entry(f"free/{i}".encode()) for i in range(10)]))
+    held: set[str] = set()
+    guard = threading.Lock()
+    violations: list[str] = []
+    seen: list[bytes] = []
+    barrier = threading.Barrier(2)
+
+    def worker(owner: str) -> None:
+        mine = store.connect()
+        try:
+            barrier.wait()
+            for _ in range(200):
+                result = run(mine, Batch(claim=3, limits=ONE_EACH), owner=owner)
+                names = claimed(result)
+                with guard:
+                    seen.extend(names)
+                    for name in names:
+                        group = name.decode().split("/")[0]
+                        if group == "free":
+                            continue
+                        if group in held:
+                            violations.append(f"{owner} claimed {name!r} while {group} ran")
+                        held.add(group)
+                for running, count in running_by_group(backend).items():
+                    if running is not None and count > 1:
+                        violations.append(f"{running} had {count} running rows")
+                time.sleep(0.002)
+                with guard:
+                    for name in names:
+                        held.discard(name.decode().split("/")[0])
+                finish(mine, result, owner=owner)
+                if len(seen) >= 42:
+                    break
+        finally:
+            mine.close()
+
+    threads = [threading.Thread(target=worker, args=(owner,)) for owner in ("p1", "p2")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert violations == []
+    assert sorted(seen) == sorted(
+        [f"{g}/{i}".encode() for i in range(8) for g in groups]
+        + [f"free/{i}".encode() for i in range(10)]
+    )
+
+
+def test_a_lapsed_lease_frees_its_groups_slot(backend: Backend, store: Any) -> None:
+    a, b = store.connect(), store.connect()
+    try:
+        run(a, Batch(inserts=[entry(b"1", "g"), entry(b"2", "g"), entry(b"3", "g")]))
+        assert claimed(run(a, Batch(claim=5, limits=ONE_EACH))) == [b"1"]
+        blocked = run(b, Batch(claim=5, limits=ONE_EACH), owner="other")
+        assert (blocked.claimed, blocked.limited) == ([], 2)
+        # The first process died: its lease runs out.
+        backend.execute(
+            f"UPDATE {backend.table('tickler_requests')} SET lease_until = {backend.now} - 1"  # noqa: S608
+            " WHERE state = 'running'"
+        )
+        rescued = run(b, Batch(claim=5, limits=ONE_EACH), owner="other")
+        assert claimed(rescued) == [b"1"]  # its attempt again, first in claim order
+        assert rescued.claimed[0][2] == 2
+        assert rescued.limited == 2
+        assert running_by_group(backend) == {"g": 1}
+        # A lapsed lease asked to cancel is not claimed, and holds no slot.
+        backend.execute(
+            f"UPDATE {backend.table('tickler_requests')}"  # noqa: S608
+            f" SET lease_until = {backend.now} - 1, cancel_requested = TRUE"
+            " WHERE state = 'running'"
+        )
+        assert claimed(run(b, Batch(claim=5, limits=ONE_EACH), owner="other")) == [b"2"]
+    finally:
+        a.close()
+        b.close()
+
+
+# -- Rate
+
+
+def test_a_rate_bounds_the_starts_of_a_group_in_any_window(backend: Backend, store: Any) -> None:
+    rate, per = 3, 0.5
+    limits: dict[str, Limit] = {"r": (None, rate, per)}
+    setup = store.connect()
+    try:
+        run(setup, Batch(inserts=[entry(f"r{i}".encode(), "r") for i in range(60)]))
+        run(setup, Batch(inserts=[entry(f"free{i}".encode()) for i in range(5)]))
+    finally:
+        setup.close()
+    starts: list[float] = []
+    guard = threading.Lock()
+    barrier = threading.Barrier(2)
+    ends = time.time() + 1.7
+
+    def worker(owner: str) -> None:
+        mine = store.connect()
+        try:
+            barrier.wait()
+            while time.time() < ends:
+                result = run(mine, Batch(claim=10, limits=limits), owner=owner)
+                took = [n for n in claimed(result) if n.startswith(b"r")]
+                with guard:
+                    starts.extend([time.time()] * len(took))
+                finish(mine, result, owner=owner)
+                time.sleep(0.01)
+        finally:
+            mine.close()
+
+    threads = [threading.Thread(target=worker, args=(owner,)) for owner in ("p1", "p2")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    starts.sort()
+    # In any window of per seconds (less what a batch takes to return), at most rate starts.
+    for i, at in enumerate(starts):
+        inside = [t for t in starts[i:] if t < at + per - 0.1]
+        assert len(inside) <= rate, (i, starts)
+    # 1.7 s hold four windows at most, and the limit let the group go on.
+    assert rate * 3 <= len(starts) <= rate * 4
+    recorded = query(backend, "SELECT group_name, started_at FROM {tickler_starts}")
+    assert {row[0] for row in recorded} <= {"r"}
+    assert len(recorded) <= rate * 2  # older starts are pruned as the window passes
+
+
+def test_a_retry_counts_as_a_start(session: Session) -> None:
+    limits: dict[str, Limit] = {"r": (None, 2, 60.0)}
+    run(session, Batch(inserts=[entry(b"1", "r"), entry(b"2", "r"), entry(b"3", "r")]))
+    first = run(session, Batch(claim=1, limits=limits))
+    assert claimed(first) == [b"1"]
+    retry = ("retrying", first.claimed[0][0], (time.time() - 1, "E", "again", "tb"))
+    second = run(session, Batch(outcomes=[retry], claim=5, limits=limits))
+    assert claimed(second) == [b"1"]
+    assert second.limited == 2
+    finish(session, second)
+    assert run(session, Batch(claim=5, limits=limits)).claimed == []
+
+
+# -- No head-of-line blocking
+
+
+@pytest.mark.parametrize("blocked_priority", [0, 5])
+def test_a_blocked_groups_backlog_holds_back_no_other_row(
+    backend: Backend, store: Any, session: Session, blocked_priority: int
+) -> None:
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_many_in(
+            connection, "jobs", range(5000), group="busy", priority=blocked_priority
+        )
+        connection.commit()
+    later = time.time() + 1
+    run(
+        session,
+        Batch(
+            inserts=[entry(f"o{i}".encode(), f"other{i % 3}", at=later) for i in range(9)]
+            + [entry(f"u{i}".encode(), at=later) for i in range(4)]
+        ),
+    )
+    limits: dict[str, Limit] = {"busy": (1, None, 1.0), "*": (2, None, 1.0)}
+    first = run(session, Batch(claim=20, limits=limits))
+    assert claimed(first) == [b"0"]
+    assert first.limited == 4999
+    time.sleep(max(0.0, later - time.time()) + 0.05)
+    started = time.perf_counter()
+    result = run(session, Batch(claim=20, limits=limits))
+    took = time.perf_counter() - started
+    assert sorted(claimed(result)) == sorted(
+        [b"o0", b"o1", b"o2", b"o3", b"o4", b"o5", b"u0", b"u1", b"u2", b"u3"]
+    )
+    assert result.limited == 4999 + 3
+    assert took < 2.0
+    # The busy group's first row ends: its next row goes, and no other of its.
+    finish(session, first)
+    assert claimed(run(session, Batch(claim=20, limits=limits))) == [b"1"]
+
+
+def test_the_default_limit_and_its_overrides(session: Session) -> None:
+    inserts = [entry(f"{g}{i}".encode(), g) for i in range(5) for g in ("a", "b", "vip")]
+    run(session, Batch(inserts=[*inserts, entry(b"free")]))
+    limits: dict[str, Limit] = {"*": (1, None, 1.0), "vip": (3, None, 1.0)}
+    result = run(session, Batch(claim=100, limits=limits))
+    assert sorted(claimed(result)) == sorted([b"a0", b"b0", b"vip0", b"vip1", b"vip2", b"free"])
+    assert result.limited == 4 + 4 + 2
+
+
+def test_only_the_named_groups_are_limited_without_a_default(session: Session) -> None:
+    inserts = [entry(f"{g}{i}".encode(), g) for i in range(3) for g in ("a", "b")]
+    run(session, Batch(inserts=inserts))
+    result = run(session, Batch(claim=100, limits={"a": (1, None, 1.0)}))
+    assert sorted(claimed(result)) == [b"a0", b"b0", b"b1", b"b2"]
+    assert result.limited == 2
+
+
+def test_limited_counts_only_due_ready_rows_of_groups_at_their_limit(session: Session) -> None:
+    now = time.time()
+    run(
+        session,
+        Batch(
+            inserts=[
+                entry(b"a0", "a"),
+                entry(b"a1", "a"),
+                entry(b"a later", "a", at=now + 3600),
+                entry(b"b0", "b"),
+                entry(b"free"),
+            ]
+        ),
+    )
+    result = run(session, Batch(claim=1, limits=ONE_EACH))
+    assert claimed(result) == [b"a0"]
+    # b0 and free wait for the claim's size, not for a limit.
+    assert result.limited == 1
+    paused = run(session, Batch(claim=5, pause=True, limits=ONE_EACH))
+    assert (paused.claimed, paused.limited) == ([], 0)
+    assert run(session, Batch(claim=0, limits=ONE_EACH)).limited == 0
+
+
+def test_statistics_count_limited_rows_with_the_stored_limits(
+    backend: Backend, store: Any, session: Session
+) -> None:
+    run(session, Batch(inserts=[entry(b"a0", "a"), entry(b"a1", "a"), entry(b"a2", "a")]))
+    assert session.statistics("jobs")["limited"] == 0
+    run(session, Batch(claim=1, limits={"a": (1, None, 2.5)}))
+    stored = query(backend, "SELECT queue, limits FROM {tickler_queues}")
+    assert [(q, json.loads(text)) for q, text in stored] == [("jobs", {"a": [1, None, 2.5]})]
+    other = store.connect()
+    try:
+        counts = other.statistics("jobs")
+        assert (counts["limited"], counts["queued"], counts["claimed"]) == (2, 2, 1)
+    finally:
+        other.close()
+    # Limits given again unchanged, then changed: the store keeps the last.
+    run(session, Batch(claim=1, limits={"a": (1, None, 2.5)}))
+    run(session, Batch(claim=1, limits={"a": (3, None, 1.0)}))
+    assert json.loads(query(backend, "SELECT limits FROM {tickler_queues}")[0][0]) == {
+        "a": [3, None, 1.0]
+    }
+    assert session.statistics("jobs")["limited"] == 0
+
+
+# -- Migrations
+
+
+def test_a_sqlite_file_of_version_3_is_migrated(tmp_path: Path) -> None:
+    from tickler._stores import sqlite as sqlite_store
+
+    from .test_store_scheduling import _SQLITE_V2
+
+    path = tmp_path / "queue.db"
+    with sqlite3.connect(path) as connection:
+        connection.executescript(_SQLITE_V2)
+        sqlite_store._to_v3(connection)
+        connection.execute("UPDATE tickler_schema SET version = 3")
+    connection.close()
+    check_migrated(tickler.SqliteStore(path, **FAST))
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (4,)
+        names = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+    db.close()
+    assert {"tickler_groups", "tickler_starts", "tickler_starts_by_group"} <= names
+    assert sqlite_store.SCHEMA_VERSION == 4
+
+
+def test_a_postgres_schema_of_version_2_is_migrated(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    import psycopg
+
+    from tickler._stores import postgres as postgres_store
+
+    from .test_store_scheduling import _POSTGRES_V1
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{postgres_schema}"')
+        connection.execute(f'SET search_path TO "{postgres_schema}"')
+        for statement in (_POSTGRES_V1 + ";" + postgres_store._MIGRATIONS[1]).split(";"):
+            if statement.strip():
+                connection.execute(statement)
+        connection.execute("UPDATE tickler_schema SET version = 2")
+    check_migrated(tickler.PostgresStore(postgres_dsn, schema=postgres_schema, **FAST))
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        version = db.execute(
+            f'SELECT version FROM "{postgres_schema}".tickler_schema'  # noqa: S608
+        ).fetchone()
+        indexes = {
+            row[0]
+            for row in db.execute(
+                "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (postgres_schema,)
+            )
+        }
+    assert version == (3,)
+    assert {"tickler_groups", "tickler_starts_by_group"} <= indexes
+    assert postgres_store.SCHEMA_VERSION == 3
+
+
+def check_migrated(store: Any) -> None:
+    """The store, made by the previous version, takes groups and limits; its rows have none."""
+    store.create_schema()
+    store.create_schema()  # again: nothing to do
+    session = store.connect()
+    try:
+        result = session.run(
+            "jobs",
+            "me",
+            30.0,
+            86400.0,
+            Batch(
+                inserts=[entry(b"3", "g"), entry(b"4", "g")],
+                claim=10,
+                limits={"g": (1, 1, 60.0)},
+            ),
+        )
+        assert claimed(result) == [b"1", b"2", b"3"]
+        assert result.limited == 1
+        assert session.statistics("jobs")["limited"] == 1
+    finally:
+        session.close()
