@@ -253,3 +253,84 @@ def test_pause_with_a_refused_connection_hides_the_password(closed_port: int) ->
     assert SECRET not in result.stdout + result.stderr
     assert result.returncode == 2
     assert result.stderr.startswith("python -m tickler: cannot connect: ")
+
+
+# -- Limits and groups
+
+
+def _busy_groups(store: object, connect: object) -> None:
+    """Requests of groups a (3), b (2), c (1) and none (1); one claim under limits takes one
+    of a's, one of b's, c's and the ungrouped one."""
+    from tickler._stores._seam import Batch
+
+    with connect() as connection:  # type: ignore[operator]
+        store.enqueue_many_in(connection, "jobs", [1, 2, 3], group="a")  # type: ignore[attr-defined]
+        store.enqueue_many_in(connection, "jobs", [4, 5], group="b")  # type: ignore[attr-defined]
+        store.enqueue_in(connection, "jobs", 6, group="c")  # type: ignore[attr-defined]
+        store.enqueue_in(connection, "jobs", 7)  # type: ignore[attr-defined]
+        connection.commit()
+    session = store.connect()  # type: ignore[attr-defined]
+    try:
+        limits = {"*": (1, None, 1.0), "c": (None, 5, 2.5)}
+        result = session.run("jobs", "me", 30.0, 86400.0, Batch(claim=10, limits=limits))
+        assert len(result.claimed) == 4
+        assert result.limited == 3
+    finally:
+        session.close()
+
+
+_LIMITS_SHOWN = (
+    "  limits by group: '*' concurrency 1; 'c' rate 5 per 2.5s\n"
+    "  group 'a': 1 running, 2 ready\n"
+    "  group 'b': 1 running, 1 ready\n"
+    "  group 'c': 1 running, 0 ready\n"
+)
+
+
+def test_inspect_shows_a_sqlite_queues_limits_and_busiest_groups(tmp_path: Path) -> None:
+    import contextlib
+
+    import tickler
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    _busy_groups(store, lambda: contextlib.closing(sqlite3.connect(path)))
+    result = inspect("inspect", f"sqlite:///{path}")
+    assert (result.returncode, result.stderr) == (0, "")
+    first, rest = result.stdout.split("\n", 1)
+    assert first.startswith("queue 'jobs': 3 queued, 0 scheduled, 4 claimed, 0 running, ")
+    assert rest == _LIMITS_SHOWN
+
+
+def test_inspect_shows_the_five_busiest_groups(tmp_path: Path) -> None:
+    import tickler
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    with sqlite3.connect(path) as connection:
+        for n in range(8):
+            store.enqueue_many_in(connection, "jobs", range(n + 1), group=f"g{n}")
+    connection.close()
+    shown = inspect("inspect", f"sqlite:///{path}").stdout
+    assert "limits" not in shown
+    groups = [line for line in shown.splitlines() if line.startswith("  group ")]
+    assert groups == [f"  group 'g{n}': 0 running, {n + 1} ready" for n in range(7, 2, -1)]
+
+
+def test_inspect_shows_a_postgres_queues_limits_and_busiest_groups(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    import psycopg
+
+    import tickler
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    _busy_groups(store, lambda: psycopg.connect(postgres_dsn))
+    result = inspect("inspect", postgres_dsn, "--schema", postgres_schema)
+    assert (result.returncode, result.stderr) == (0, "")
+    first, rest = result.stdout.split("\n", 1)
+    assert first.startswith("queue 'jobs': 3 queued, 0 scheduled, 4 claimed, 0 running, ")
+    assert rest == _LIMITS_SHOWN

@@ -1,7 +1,8 @@
 """python -m tickler: look at a store, pause and resume its queues.
 
-- ``inspect URL``: each queue's counts by status and latest failures, and
-  whether it is paused.
+- ``inspect URL``: each queue's counts by status and latest failures,
+  whether it is paused, its per-group limits if it has any, and its busiest
+  groups (the most running first, then the most ready).
 - ``pause URL QUEUE``: the queue's services, in every process, claim nothing
   more (what they run goes on) until ``resume URL QUEUE``.
 
@@ -81,8 +82,20 @@ def redact(text: str, sources: Iterable[str] = ()) -> str:
     return _MESSAGE_PASSWORD.sub(rf"\1{_MASK}", text)
 
 
+def _limit(limit: tuple[int | None, int | None, float]) -> str:
+    """One group's limit, as the report shows it."""
+    concurrency, rate, per = limit
+    parts = []
+    if concurrency is not None:
+        parts.append(f"concurrency {concurrency}")
+    if rate is not None:
+        parts.append(f"rate {rate} per {per:g}s")
+    return ", ".join(parts) or "no limit"
+
+
 def _report(queues: dict[str, QueueReport]) -> str:
-    """The report: each queue's counts by status, then its latest failures."""
+    """The report: each queue's counts by status, its limits and busiest groups, then its
+    latest failures."""
     lines = []
     if not queues:
         lines.append("no requests")
@@ -90,6 +103,13 @@ def _report(queues: dict[str, QueueReport]) -> str:
         counts = ", ".join(f"{n} {state}" for state, n in found.counts.items())
         paused = " (paused)" if found.paused else ""
         lines.append(f"queue {queue!r}{paused}: {counts}")
+        if found.limits:
+            limits = "; ".join(
+                f"{group!r} {_limit(limit)}" for group, limit in sorted(found.limits.items())
+            )
+            lines.append(f"  limits by group: {limits}")
+        for group, running, ready in found.groups:
+            lines.append(f"  group {group!r}: {running} running, {ready} ready")
         for request_id, attempts, error_type, message in found.failures:
             lines.append(
                 f"  failed #{request_id} after {attempts} attempt(s): {error_type}: {message}"
@@ -138,7 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tickler")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser(
-        "inspect", help="print a store's queues, counts and failures, and which are paused"
+        "inspect",
+        help="print a store's queues, counts and failures, which are paused, their limits"
+        " and busiest groups",
     )
     inspect.add_argument("url", help="sqlite:///path/to/file.db or a postgresql:// DSN")
     inspect.add_argument("--schema", default="tickler", help="with PostgreSQL (default tickler)")
