@@ -182,7 +182,8 @@ def test_two_processes_racing_never_run_two_rows_of_a_group(
     guard = threading.Lock()
     violations: list[str] = []
     seen: list[bytes] = []
-    barrier = threading.Barrier(2)
+    owners = ("p1", "p2", "p3", "p4")
+    barrier = threading.Barrier(len(owners))
 
     def worker(owner: str) -> None:
         mine = store.connect()
@@ -203,7 +204,7 @@ def test_two_processes_racing_never_run_two_rows_of_a_group(
                 for running, count in running_by_group(backend).items():
                     if running is not None and count > 1:
                         violations.append(f"{running} had {count} running rows")
-                time.sleep(0.002)
+                time.sleep(0.001)
                 with guard:
                     for name in names:
                         held.discard(name.decode().split("/")[0])
@@ -213,7 +214,7 @@ def test_two_processes_racing_never_run_two_rows_of_a_group(
         finally:
             mine.close()
 
-    threads = [threading.Thread(target=worker, args=(owner,)) for owner in ("p1", "p2")]
+    threads = [threading.Thread(target=worker, args=(owner,)) for owner in owners]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -223,6 +224,39 @@ def test_two_processes_racing_never_run_two_rows_of_a_group(
         [f"{g}/{i}".encode() for i in range(8) for g in groups]
         + [f"free/{i}".encode() for i in range(10)]
     )
+
+
+def test_postgres_limited_claims_of_a_queue_take_turns(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Each replica's limited claim takes the queue's advisory lock first; a claim without
+    limits takes none."""
+    import psycopg
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema, **FAST)
+    store.create_schema()
+    session = store.connect()
+    done = threading.Event()
+    got: list[BatchResult] = []
+
+    def claim() -> None:
+        got.append(run(session, Batch(claim=5, limits=ONE_EACH)))
+        done.set()
+
+    try:
+        run(session, Batch(inserts=[entry(b"1", "g"), entry(b"2", "g")]))
+        with psycopg.connect(postgres_dsn) as holder:
+            key = f"tickler:{postgres_schema}:limits:jobs"
+            holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
+            assert claimed(run(session, Batch(claim=0, limits=ONE_EACH))) == []  # no claim
+            thread = threading.Thread(target=claim)
+            thread.start()
+            assert not done.wait(0.5)  # waits for the lock
+            holder.commit()
+            thread.join(30)
+        assert [claimed(result) for result in got] == [[b"1"]]
+    finally:
+        session.close()
 
 
 def test_a_lapsed_lease_frees_its_groups_slot(backend: Backend, store: Any) -> None:

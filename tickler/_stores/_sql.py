@@ -277,9 +277,9 @@ class Dialect(Protocol):
         """A list as one parameter of the statements that take a list."""
         ...
 
-    def lock_limited(self, queue: str) -> float:
+    def lock_limited(self, queue: str) -> None:
         """Hold every other process's limited claim of ``queue`` back until the transaction
-        ends; the time once held (the store's clock)."""
+        ends. Taken first in a batch that makes one, before any row is written."""
         ...
 
     def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
@@ -326,6 +326,10 @@ def run_batch(
     result = BatchResult()
     d.begin()
     try:
+        if batch.limits is not None and batch.claim:
+            # First: a lock taken after the batch's row locks could close a cycle with
+            # another process that holds it and waits for one of those rows.
+            d.lock_limited(queue)
         now, shift = d.now()
         result.now, result.shift = now, shift
         inserts, outcomes = batch.inserts, batch.outcomes
@@ -1008,7 +1012,8 @@ def claim_limited(
     (see Batch.limits); the rows claimed, and how many ready rows wait for their group's
     limit after the claim (BatchResult.limited).
 
-    Every process's limited claims of the queue take turns (Dialect.lock_limited). The
+    Every process's limited claims of the queue take turns (Dialect.lock_limited, which
+    the batch took first); the claim's time is read again once it runs. The
     claim counts each group's running rows whose lease has not run out and its recorded
     starts within its window, then walks the candidates in claim order, skipping a row
     whose group has no room left. It first reads the first ``limit`` + CHUNK_EXTRA ready
@@ -1020,7 +1025,7 @@ def claim_limited(
     is recorded, and starts older than the longest window deleted.
     """
     x, sql = d.execute, d.statements
-    now = d.lock_limited(queue)
+    now = d.now()[0]
     paused = x(sql.paused, (queue,)).fetchone()
     if paused is not None and paused[0]:
         return [], 0

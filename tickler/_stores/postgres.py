@@ -917,17 +917,12 @@ class PostgresSession:
     def listed(self, values: Sequence[Any]) -> list[Any]:
         return list(values)
 
-    def lock_limited(self, queue: str) -> float:
+    def lock_limited(self, queue: str) -> None:
         """A transaction's advisory lock on the schema and queue, which every replica's
-        limited claim of the queue takes; then the server's clock, read once it is held.
-
-        A claim without limits takes no such lock.
-        """
+        limited claim of the queue takes first in its batch. A claim without limits takes
+        no such lock."""
         key = f"tickler:{self.store.schema}:limits:{queue}"
         self.db.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
-        row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
-        assert row is not None
-        return float(row[0])
 
     def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
         params = {"queue": queue, "now": now, "limit": size}

@@ -775,9 +775,8 @@ class SqliteSession:
     def listed(self, values: Sequence[Any]) -> str:
         return json.dumps(list(values))
 
-    def lock_limited(self, queue: str) -> float:
-        """The batch holds the file's write lock already (BEGIN IMMEDIATE)."""
-        return time.time()
+    def lock_limited(self, queue: str) -> None:
+        """Nothing to do: the batch holds the file's write lock (BEGIN IMMEDIATE)."""
 
     def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
         """Priority by priority, the highest first, as the claim reads them."""
