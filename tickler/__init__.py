@@ -10,6 +10,7 @@ from ._exceptions import RequestFailed as RequestFailed
 from ._exceptions import ServiceClosed as ServiceClosed
 from ._exceptions import StoreError as StoreError
 from ._exceptions import TicklerError as TicklerError
+from ._limits import Limit as Limit
 from ._periodic import Periodic as Periodic
 from ._retry import Retry as Retry
 from ._service import Service as Service
@@ -29,6 +30,7 @@ __all__ = [
     "Codec",
     "Histogram",
     "JsonCodec",
+    "Limit",
     "Periodic",
     "PostgresStore",
     "QueueFull",

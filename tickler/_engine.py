@@ -67,7 +67,7 @@ from ._core import (
 )
 from ._current import ATTEMPTS, Attempt
 from ._exceptions import Withdrawn
-from ._parts import IntakePart, OutcomesPart, StoppingPart, StorePart
+from ._parts import GroupsPart, IntakePart, OutcomesPart, StoppingPart, StorePart
 from ._statistics import TIME_BUCKETS
 from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
@@ -110,7 +110,7 @@ def _steps_of(awaitable: object) -> Any:
 def _refuse_positional() -> NoReturn:
     raise TypeError(
         "enqueue_request() takes one positional argument, the request;"
-        " key, delay, priority and unique_for are keyword-only"
+        " key, delay, priority, unique_for and group are keyword-only"
     )
 
 
@@ -197,6 +197,7 @@ class _Engine(Generic[RequestT, ResultT]):
         "_doomed",
         "_draining",
         "_foreign_pending",
+        "_groups",
         "_handed",
         "_handler",
         "_heap",
@@ -248,6 +249,7 @@ class _Engine(Generic[RequestT, ResultT]):
     _outcomes: OutcomesPart
     _stopping: StoppingPart
     _store_run: StorePart | None
+    _groups: GroupsPart | None  # limits per group, in memory (None: no limits)
     # the flags parts write (see the class's docstring)
     _admit: int
     _closed: bool
@@ -333,6 +335,7 @@ class _Engine(Generic[RequestT, ResultT]):
         self._lock = threading.Lock()
         self._queue = collections.deque()
         self._ready = []
+        self._groups = None
         # The last context a request was enqueued with: requests enqueued from
         # one unchanged context share one Context object instead of a copy each.
         self._last_context = None
@@ -476,6 +479,7 @@ class _Engine(Generic[RequestT, ResultT]):
         delay: float | None = None,
         priority: int = _PRIORITY_0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> Ticket[RequestT, ResultT]:
         # (The docstring is _ENQUEUE_REQUEST_DOC, below the class.)
         if (
@@ -483,11 +487,12 @@ class _Engine(Generic[RequestT, ResultT]):
             or delay is not None
             or priority is not _PRIORITY_0
             or unique_for is not None
+            or group is not None
             or _keyword_only is not _KEYWORD_ONLY
         ):
             if _keyword_only is not _KEYWORD_ONLY:
                 _refuse_positional()
-            return self._intake.enqueue_keyed(request, key, delay, priority, unique_for)
+            return self._intake.enqueue_keyed(request, key, delay, priority, unique_for, group)
         # (Everything below is the hot path. Intake.enqueue_keyed is its twin for
         # keys and delays; _capture_context, the part on contextvars.)
         # tuned (bench: burst, a contextvar set; enqueue): the context is
@@ -579,6 +584,7 @@ class _Engine(Generic[RequestT, ResultT]):
             delay: float | None = None,
             priority: int = 0,
             unique_for: float | None = None,
+            group: str | None = None,
         ) -> Ticket[RequestT, ResultT]:
             """The declared signature."""
             ...
@@ -615,7 +621,10 @@ class _Engine(Generic[RequestT, ResultT]):
         if heap and heap[0][0] <= now:
             self._rank_due(now)
         if self._ready:
-            ticket = self._take_ranked()
+            taken = self._take_ranked(now)
+            if taken is None:
+                return None
+            ticket = taken
         else:
             queue = self._queue
             if not queue:
@@ -650,26 +659,37 @@ class _Engine(Generic[RequestT, ResultT]):
                 heapq.heappush(ready, (-priority_of.get(ticket, 0), due, ticket.id, ticket))
 
     @trio.lowlevel.enable_ki_protection
-    def _take_ranked(self) -> Ticket[RequestT, ResultT]:
+    def _take_ranked(self, now: float) -> Ticket[RequestT, ResultT] | None:
         """Take the first ready request: by priority, then since when ready, then by id.
 
         A plain queued request (priority 0) is ready since it was enqueued;
         a retry or a delayed request since it fell due. The store's claim
-        takes rows in the same order.
+        takes rows in the same order. A request whose group is at its limit
+        is held by the groups part, and the next one is taken instead.
         """
         ready = self._ready
         queue = self._queue
-        with self._lock:
-            first = ready[0]
-            if queue:
-                head = queue[0]
-                if (0, head.enqueued_at, head.id) < first[:3]:
+        groups = self._groups
+        while True:
+            with self._lock:
+                first = ready[0] if ready else None
+                if queue and (first is None or (0, queue[0].enqueued_at, queue[0].id) < first[:3]):
                     ticket = queue.popleft()
                     if self._submitters:
                         self._intake.room.unpark()
                     return ticket
-            heapq.heappop(ready)
+                if first is None:
+                    return None
+                heapq.heappop(ready)
+            group = groups.group_of.get(first[3]) if groups is not None else None
+            if group is None or groups.admit(first, group, now):  # type: ignore[union-attr]
+                break
         ticket = first[3]
+        self._left(ticket)
+        return ticket
+
+    def _left(self, ticket: Ticket[RequestT, ResultT]) -> None:
+        """A request left where it waited (the ready or timer heap) to start, or to end."""
         status = ticket.status
         if status is _SCHEDULED:
             self._intake.unschedule()
@@ -677,7 +697,6 @@ class _Engine(Generic[RequestT, ResultT]):
             self._intake.unrank()
         else:
             self._retrying -= 1
-        return ticket
 
     def _set_paused(self, paused: bool) -> None:
         """Pause or resume starts: paused, nothing new starts, and running attempts go on.
@@ -1139,6 +1158,8 @@ Args:
         stays taken after the request was enqueued, whatever its state:
         a duplicate gets the original's ticket, even once it is final.
         Needs ``key``.
+    group: a str naming the request's group, or None: the service's
+        ``limits`` bound each group's attempts in flight and starts.
 
 Raises:
     QueueFull: ``max_queue_length`` requests are already queued or
@@ -1157,5 +1178,6 @@ _Engine.enqueue_request.__signature__ = inspect.Signature(  # type: ignore[attr-
         inspect.Parameter("delay", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("priority", inspect.Parameter.KEYWORD_ONLY, default=0),
         inspect.Parameter("unique_for", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("group", inspect.Parameter.KEYWORD_ONLY, default=None),
     ]
 )

@@ -33,6 +33,7 @@ from ._core import (
 )
 from ._engine import _Engine
 from ._exceptions import QueueFull, ServiceClosed
+from ._limits import check_group
 from ._ticket import Ticket
 
 _new_ticket = object.__new__
@@ -104,6 +105,7 @@ class Intake:
         delay: float | None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
         *,
         waits: bool = False,
     ) -> Ticket[Any, Any]:
@@ -111,9 +113,17 @@ class Intake:
         engine = self.engine
         priority = check_priority(priority)
         unique_for = check_unique_for(unique_for, key)
+        group = check_group(group)
         if engine._store_run is not None:
             return engine._store_run.accept(
-                request, key, delay, None, waits=waits, priority=priority, unique_for=unique_for
+                request,
+                key,
+                delay,
+                None,
+                waits=waits,
+                priority=priority,
+                unique_for=unique_for,
+                group=group,
             )
         if key is not None:
             _check_key(key)
@@ -135,7 +145,9 @@ class Intake:
                     return live
             self.check_room(length, waits=waits)
             on_loop_thread = engine._thread == _get_ident()
-            self.insert(ticket, key, delay, priority, unique_for, engine._time(), on_loop_thread)
+            self.insert(
+                ticket, key, delay, priority, unique_for, engine._time(), on_loop_thread, group
+            )
             if on_loop_thread:
                 engine._tickle()
             else:
@@ -153,6 +165,7 @@ class Intake:
         unique_for: float | None,
         now: float | None,
         on_loop_thread: bool,
+        group: str | None = None,
     ) -> None:
         """Give ``ticket`` its id and put it where it waits. Called with the lock held."""
         engine = self.engine
@@ -163,13 +176,19 @@ class Intake:
                 self.unique_for_of[ticket] = unique_for
         ticket.enqueued_at = now
         engine._last_id = ticket.id = engine._last_id + 1
+        groups = engine._groups
+        grouped = False
+        if group is not None and groups is not None:
+            groups.group_of[ticket] = group
+            grouped = True
         if priority:
             self.priority_of[ticket] = priority
-            if key is None:
-                # In key_of too, which the processor's success path checks
-                # tuned (bench: burst): one test of one dict for both.
-                self.key_of[ticket] = _UNKEYED
-        if delay is None and priority:
+        if (priority or grouped) and key is None:
+            # In key_of too, which the processor's success path checks
+            # tuned (bench: burst): one test of one dict for keys, priorities and groups.
+            self.key_of[ticket] = _UNKEYED
+        if delay is None and (priority or grouped):
+            # Limits are checked as requests leave the ready heap (see Groups).
             self.rank(ticket, priority)
         elif delay is None:
             engine._queue.append(ticket)
@@ -191,6 +210,7 @@ class Intake:
         unique_for: float | None,
         priority: int,
         delay: float | None,
+        group: str | None = None,
     ) -> list[Ticket[Any, Any]]:
         """Service.enqueue_many: every request accepted, or none (see its docstring)."""
         engine = self.engine
@@ -202,6 +222,7 @@ class Intake:
                 f"key must be a callable (request -> key) or None, not {type(key).__name__}"
             )
         priority = check_priority(priority)
+        group = check_group(group)
         if unique_for is not None and key is None:
             raise ValueError("unique_for needs a key: it says how long each key stays taken")
         unique_for = check_unique_for(unique_for, key)
@@ -215,8 +236,8 @@ class Intake:
                 if each is not None:
                     _check_key(each)
         if engine._store_run is not None:
-            return engine._store_run.accept_many(items, keys, delay, priority, unique_for)
-        if keys is None and delay is None and not priority:
+            return engine._store_run.accept_many(items, keys, delay, priority, unique_for, group)
+        if keys is None and delay is None and not priority and group is None:
             return self.enqueue_plain(items)
         context = engine._capture_context()
         status = _QUEUED if delay is None else _SCHEDULED
@@ -254,7 +275,7 @@ class Intake:
                     tickets.append(holder)
                     continue
                 ticket: Ticket[Any, Any] = Ticket(item, 0, status, 0, None, None, context)
-                self.insert(ticket, each, delay, priority, unique_for, now, on_loop_thread)
+                self.insert(ticket, each, delay, priority, unique_for, now, on_loop_thread, group)
                 if each is not None:
                     fresh[each] = ticket
                 tickets.append(ticket)
@@ -382,6 +403,7 @@ class Intake:
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> Ticket[Any, Any]:
         """Service.submit: enqueue, waiting for room (see its docstring)."""
         engine = self.engine
@@ -389,7 +411,9 @@ class Intake:
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
-                ticket = self.enqueue_keyed(request, key, delay, priority, unique_for, waits=True)
+                ticket = self.enqueue_keyed(
+                    request, key, delay, priority, unique_for, group, waits=True
+                )
             except QueueFull:
                 if token is not None and engine._insider() is not None:
                     with engine._lock:
@@ -486,6 +510,9 @@ class Intake:
         is up (see holder).
         """
         engine = self.engine
+        groups = engine._groups
+        if groups is not None and groups.group_of:
+            groups.forget(ticket)  # (before the lock: it may hand the group's next one on)
         with engine._lock:
             key = self.key_of.pop(ticket, _MISSING)
             if key is _MISSING:
@@ -533,11 +560,13 @@ class Intake:
     def put_back(self, ticket: Ticket[Any, Any], now: float) -> None:
         """A request taken but not started goes back where it waited, first in line."""
         engine = self.engine
+        if engine._groups is not None:
+            engine._groups.ended(ticket)  # admitted, not started: its group's slot is free
         status = ticket.status
         if status is _QUEUED:
             with engine._lock:
                 priority = self.priority_of.get(ticket, 0)
-                if priority:
+                if priority or (engine._groups is not None and ticket in engine._groups.group_of):
                     heapq.heappush(engine._ready, (-priority, -math.inf, ticket.id, ticket))
                     self.ranked += 1
                     self.set_admit()

@@ -31,7 +31,6 @@ from ._core import (
     _QUEUED,
     _RETRYING,
     _RUNNING,
-    _SCHEDULED,
     ErrorHook,
     _check_key,
     _format_exception,
@@ -107,6 +106,8 @@ class Outcomes:
             ticket.status = _RETRYING
             engine._retrying += 1
             self.retried += 1
+            if engine._groups is not None:
+                engine._groups.ended(ticket)  # the retry is a new start, counted anew
             heap = engine._heap
             heapq.heappush(heap, (now + delay, next(engine._heap_seq), ticket))
             if heap[0][2] is ticket:
@@ -330,13 +331,10 @@ class Outcomes:
                     ready.pop()
                     heapq.heapify(ready)
                     break
+        if found is None and engine._groups is not None:
+            found = engine._groups.take_held(ticket, request_id)
         if found is not None:
-            if found.status is _SCHEDULED:
-                engine._intake.unschedule()
-            elif found.status is _QUEUED:
-                engine._intake.unrank()
-            else:
-                engine._retrying -= 1
+            engine._left(found)
         return found
 
     async def cancel_in_memory(self, id_or_key: int | Hashable) -> bool:
@@ -392,10 +390,7 @@ class Outcomes:
                 engine._heap[index] = engine._heap[-1]
                 engine._heap.pop()
                 heapq.heapify(engine._heap)
-                if entry.status is _SCHEDULED:
-                    engine._intake.unschedule()  # (which gives its place to a submit() waiter)
-                else:
-                    engine._retrying -= 1
+                engine._left(entry)  # (a scheduled one gives its place to a submit() waiter)
                 self.finish_cancelled(entry, now)
                 return True
         ranked = self.take_ready(ticket, id_or_key if by_id and ticket is None else None)

@@ -45,6 +45,7 @@ class IntakePart(Protocol):
         delay: float | None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
         *,
         waits: bool = False,
     ) -> Ticket[Any, Any]: ...
@@ -58,6 +59,7 @@ class IntakePart(Protocol):
         unique_for: float | None,
         priority: int,
         delay: float | None,
+        group: str | None = None,
     ) -> list[Ticket[Any, Any]]: ...
 
     def check_open(self) -> None: ...
@@ -70,6 +72,7 @@ class IntakePart(Protocol):
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> Ticket[Any, Any]: ...
 
     def enqueue_checked(self, ticket: Ticket[Any, Any]) -> Ticket[Any, Any]:
@@ -85,6 +88,29 @@ class IntakePart(Protocol):
     def release_key(self, ticket: Ticket[Any, Any]) -> None: ...
 
     def put_back(self, ticket: Ticket[Any, Any], now: float) -> None: ...
+
+
+class GroupsPart(Protocol):
+    """Limits per group, in memory (see _limits.Groups)."""
+
+    group_of: dict[Ticket[Any, Any], str]
+
+    @property
+    def limited(self) -> int: ...
+
+    def admit(
+        self, entry: tuple[int, float, int, Ticket[Any, Any]], group: str, now: float
+    ) -> bool: ...
+
+    def ended(self, ticket: Ticket[Any, Any]) -> None: ...
+
+    def forget(self, ticket: Ticket[Any, Any]) -> None: ...
+
+    def take_held(
+        self, ticket: Ticket[Any, Any] | None, request_id: object
+    ) -> Ticket[Any, Any] | None: ...
+
+    def drain(self) -> list[Ticket[Any, Any]]: ...
 
 
 class OutcomesPart(Protocol):
@@ -165,6 +191,7 @@ class StorePart(Protocol):
     committed: trio.Event
     errors: int
     pause_wanted: bool | None
+    limited: int
     ticks: list[tuple[str, float, bool, bytes, int]]
 
     def encode(self, request: Any) -> tuple[bytes, Any]: ...
@@ -185,6 +212,7 @@ class StorePart(Protocol):
         waits: bool = False,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> Ticket[Any, Any]: ...
 
     def accept_many(
@@ -194,6 +222,7 @@ class StorePart(Protocol):
         delay: float | None,
         priority: int,
         unique_for: float | None,
+        group: str | None = None,
     ) -> list[Ticket[Any, Any]]: ...
 
     def attempt_started(self, request_id: int, scope: trio.CancelScope) -> None: ...

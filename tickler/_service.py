@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from ._core import (
 from ._current import current_attempt
 from ._engine import _Engine
 from ._intake import Intake
+from ._limits import Groups, Limit, check_limits
 from ._outcomes import Outcomes
 from ._parts import StorePart
 from ._periodic import Periodic
@@ -116,6 +117,8 @@ class Service(_Engine[RequestT, ResultT]):
         codec: how a store keeps requests and results (JSON by default).
         histograms: keep wait and run time histograms in ``statistics()``.
         periodic: :class:`tickler.Periodic` requests to enqueue on their schedules.
+        limits: a :class:`tickler.Limit` for each group of requests, or a mapping
+            of group names to limits (``"*"``: every other group).
     """
 
     # The engine (its base class) holds the hot state and its parts; the
@@ -136,6 +139,7 @@ class Service(_Engine[RequestT, ResultT]):
         codec: Codec | None = None,
         histograms: bool = False,
         periodic: Iterable[Periodic] = (),
+        limits: Limit | Mapping[str, Limit] | None = None,
     ) -> None:
         if not callable(handler):
             raise TypeError("handler must be callable")
@@ -159,6 +163,7 @@ class Service(_Engine[RequestT, ResultT]):
         if store is not None:
             _check_store(store)
         schedules = _check_periodic(periodic)
+        checked_limits = check_limits(limits)
         if codec is not None:
             if store is None:
                 raise ValueError("codec is for a service with a store; give store= too")
@@ -193,6 +198,14 @@ class Service(_Engine[RequestT, ResultT]):
         )
         self._stopping = stopping = Stopping(self, sync)
         self._supervisor = Supervisor(self, intake, stopping, sync, schedules)
+        if checked_limits is not None:
+            if sync is None:
+                self._groups = Groups(self, checked_limits)
+            else:
+                sync.limits = {
+                    group: (limit.concurrency, limit.rate, limit.per)
+                    for group, limit in checked_limits.items()
+                }
         if sync is not None:
             for each in schedules:
                 try:
@@ -272,6 +285,7 @@ class Service(_Engine[RequestT, ResultT]):
                 deduplicated=self._intake.deduplicated,
                 store_errors=self._store_run.errors if self._store_run is not None else 0,
                 paused=self._paused,
+                limited=self._limited(),
                 wakeups=self._supervisor.wakeups,
                 peak_queued=max(self._peak, queued),
                 wait_time=Histogram(TIME_BUCKETS, tuple(self._wait_counts), self._wait_sum)
@@ -290,6 +304,7 @@ class Service(_Engine[RequestT, ResultT]):
         unique_for: float | None = None,
         priority: int = 0,
         delay: float | None = None,
+        group: str | None = None,
     ) -> list[Ticket[RequestT, ResultT]]:
         """Queue every request of ``requests``, or none; return their tickets, in order.
 
@@ -310,7 +325,7 @@ class Service(_Engine[RequestT, ResultT]):
                 that is not an iterable (or is a str), or ``key`` that is
                 not callable.
         """
-        return self._intake.enqueue_many(requests, key, unique_for, priority, delay)
+        return self._intake.enqueue_many(requests, key, unique_for, priority, delay, group)
 
     def pause(self) -> None:
         """Start nothing new until :meth:`resume`; running attempts finish.
@@ -366,6 +381,7 @@ class Service(_Engine[RequestT, ResultT]):
         delay: float | None = None,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> Ticket[RequestT, ResultT]:
         """Like :meth:`enqueue_request`, but wait for room when the queue is full.
 
@@ -385,7 +401,7 @@ class Service(_Engine[RequestT, ResultT]):
             RuntimeError: called from a different Trio run than the service's.
         """
         return await self._intake.submit(
-            request, key=key, delay=delay, priority=priority, unique_for=unique_for
+            request, key=key, delay=delay, priority=priority, unique_for=unique_for, group=group
         )
 
     async def join(self) -> None:
@@ -473,6 +489,14 @@ class Service(_Engine[RequestT, ResultT]):
         """Exact counts of this service's queue in the store, by status, over every process."""
         return await self._require_store("store_statistics").statistics()
 
+    def _limited(self) -> int:
+        """Requests waiting only because their group is at its limit (with a store: as of the
+        last claim, over every process)."""
+        if self._groups is not None:
+            return self._groups.limited
+        stored = self._store_run
+        return stored.limited if stored is not None else 0
+
     def _require_store(self, what: str) -> StorePart:
         stored = self._store_run
         if stored is None:
@@ -527,6 +551,7 @@ async def open_service(
     codec: Codec | None = None,
     histograms: bool = False,
     periodic: Iterable[Periodic] = (),
+    limits: Limit | Mapping[str, Limit] | None = None,
     shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Service[RequestT, ResultT]]:
     """Run a :class:`Service` for the duration of an ``async with`` block.
@@ -548,6 +573,7 @@ async def open_service(
         codec=codec,
         histograms=histograms,
         periodic=periodic,
+        limits=limits,
     )
     body_error: BaseException | None = None
     try:

@@ -90,6 +90,8 @@ class ServiceStatistics:
     peak_queued: int
     """The largest number of requests ever queued at once."""
     store_errors: int = 0
+    limited: int = 0
+    """Requests waiting only because their group is at its limit (``limits=``)."""
     paused: bool = False
     """Whether starts are paused (``Service.pause``; with a store, by any process or the CLI)."""
     """With a store: batches that failed and were retried (a full disk, a lost connection)."""

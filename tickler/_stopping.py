@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import trio
 
-from ._core import _QUEUED, _SCHEDULED, _check_timeout
+from ._core import _check_timeout
 from ._current import ATTEMPTS
 from ._engine import _Engine
 from ._stores._sync import StoreSync
@@ -131,6 +131,7 @@ class Stopping:
             not engine._queue
             and not engine._heap
             and not engine._ready
+            and (engine._groups is None or not engine._groups.limited)
             and not engine._intake.incoming
             and engine._in_flight == 0
             and (stored is None or not stored.has_work())
@@ -178,22 +179,18 @@ class Stopping:
         heap = engine._heap
         while heap:
             ticket = heapq.heappop(heap)[2]
-            if ticket.status is _SCHEDULED:
-                engine._intake.unschedule()
-            else:
-                engine._retrying -= 1
+            engine._left(ticket)
             engine._outcomes.cancel(ticket, now)
         ready = engine._ready
         while ready:
             with engine._lock:
                 ticket = heapq.heappop(ready)[3]
-            if ticket.status is _SCHEDULED:
-                engine._intake.unschedule()
-            elif ticket.status is _QUEUED:
-                engine._intake.unrank()
-            else:
-                engine._retrying -= 1
+            engine._left(ticket)
             engine._outcomes.cancel(ticket, now)
+        if engine._groups is not None:
+            for ticket in engine._groups.drain():
+                engine._left(ticket)
+                engine._outcomes.cancel(ticket, now)
 
     def close(self) -> None:
         """Refuse every enqueue from now on; submit() callers waiting for room get ServiceClosed."""

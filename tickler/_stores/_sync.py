@@ -119,6 +119,10 @@ class StoreSync:
     committing: bool = False
     # A pause or resume of this process's, for the next batch to write.
     pause_wanted: bool | None = None
+    # The service's limits by group ("*": the rest), as Batch.limits gives them;
+    # and how many ready rows the last claim left waiting for a limit.
+    limits: dict[str, tuple[int | None, int | None, float]] | None = None
+    limited: int = 0
     # Periodic ticks for the next batch: see Batch.ticks.
     ticks: list[tuple[str, float, bool, bytes, int]] = attrs.Factory(list)
 
@@ -176,6 +180,7 @@ class StoreSync:
             inserts=pending,
             pause=self.pause_wanted,
             ticks=ticks,
+            limits=self.limits,
             outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
             claim=claim,
             started=started,
@@ -317,6 +322,8 @@ class StoreSync:
             self.finals_since = result.now - self.connection.finals_overlap
             self.checks = self.looks_begun  # one batch in flight at a time
         self._apply_batch(result, pending, outcomes)
+        if batch.claim:
+            self.limited = result.limited  # as of this claim (0 unless limits hold some back)
         return looked
 
     def next_look(self) -> float:
@@ -327,7 +334,9 @@ class StoreSync:
         # clock, so that a step of the wall clock moves both ends.
         wake_at = self.next_check
         room = engine._capacity - engine._in_flight - len(engine._queue)
-        if self.next_due is not None and room > 0 and engine._may_start:
+        # (Rows held back by a group's limit are due, but not claimable: then
+        # the next look is the regular one, or a wake-up from an enqueue.)
+        if self.next_due is not None and room > 0 and engine._may_start and not self.limited:
             now = engine._time()
             assert now is not None
             wake_at = min(wake_at, self.next_due - self.shift + now - wall_clock())
@@ -731,6 +740,7 @@ class StoreSync:
         waits: bool = False,
         priority: int = 0,
         unique_for: float | None = None,
+        group: str | None = None,
     ) -> Ticket[Any, Any]:
         """A request accepted (enqueue_request, submit): encoded now, committed by the next batch.
 
@@ -767,7 +777,7 @@ class StoreSync:
             ticket.id = 0
             engine._last_id += 1
             self.pending.append(
-                (key_text, status.value, data, run_at, priority, unique_until, None, ticket)
+                (key_text, status.value, data, run_at, priority, unique_until, group, ticket)
             )
             self.accepted += 1
             if engine._thread == _get_ident():
@@ -803,6 +813,7 @@ class StoreSync:
         delay: float | None,
         priority: int,
         unique_for: float | None,
+        group: str | None = None,
     ) -> list[Ticket[Any, Any]]:
         """enqueue_many with a store: all accepted into pending, or none (QueueFull).
 
@@ -834,7 +845,7 @@ class StoreSync:
                 ticket: Ticket[Any, Any] = Ticket(decoded, 0, status, 0, now, None, context)
                 key_text = key_texts[index] if key_texts else None
                 self.pending.append(
-                    (key_text, status.value, data, run_at, priority, unique_until, None, ticket)
+                    (key_text, status.value, data, run_at, priority, unique_until, group, ticket)
                 )
                 tickets.append(ticket)
             engine._last_id += len(tickets)

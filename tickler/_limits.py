@@ -1,0 +1,223 @@
+"""Limits per group: at most N attempts in flight, and at most R starts per window, per group.
+
+A request may name its ``group``; ``Service(limits=...)`` bounds each group
+separately (:class:`Limit`, or a mapping of group names to limits with
+``"*"`` for every other group). In memory the :class:`Groups` part keeps
+the rules: a request of a group at its limit is held here, out of the
+engine's ready heap, so it takes no slot and holds back no other request;
+when its group frees up, its next request goes back to the ready heap, in
+priority and enqueue order. With a store the claim transaction enforces
+the same limits across every replica (see ``_stores._seam.Batch.limits``).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ._engine import _Engine
+from ._ticket import Ticket
+
+# A ready request as the engine's ready heap holds it: (-priority, ready since, id, ticket).
+Entry = tuple[int, float, int, Ticket[Any, Any]]
+
+MAX_GROUP_BYTES = 200
+
+
+def check_group(value: object) -> str | None:
+    """A request's group, checked: None, or a str of 1 to 200 bytes of UTF-8."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"group must be a str or None, not {type(value).__name__}")
+    if not value or len(value.encode("utf-8", "surrogatepass")) > MAX_GROUP_BYTES:
+        raise ValueError(f"group must be 1 to {MAX_GROUP_BYTES} bytes of UTF-8")
+    if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise ValueError("group must not hold a NUL or a lone surrogate")
+    return value
+
+
+@attrs.frozen(init=False)
+class Limit:
+    """The limits of one group: attempts in flight, and attempts started per ``per`` seconds.
+
+    ``concurrency`` bounds the group's attempts in flight at once;
+    ``rate`` bounds the attempts the group starts within any window of
+    ``per`` seconds. Retries count as starts. None: no bound of that kind.
+
+    Raises:
+        TypeError, ValueError: a bound that is not an int >= 1, or ``per``
+            that is not a finite number > 0.
+    """
+
+    concurrency: int | None
+    rate: int | None
+    per: float
+
+    def __init__(
+        self, concurrency: int | None = None, rate: int | None = None, per: float = 1.0
+    ) -> None:
+        for name, value in (("concurrency", concurrency), ("rate", rate)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if isinstance(per, bool) or not isinstance(per, int | float):
+            raise TypeError(f"per must be a number of seconds, not {type(per).__name__}")
+        if not (per > 0 and math.isfinite(per)):
+            raise ValueError("per must be a finite number of seconds > 0")
+        self.__attrs_init__(concurrency, rate, float(per))
+
+
+def check_limits(value: object) -> dict[str, Limit] | None:
+    """``limits=``, checked: None, a Limit for every group, or a mapping by group name."""
+    if value is None:
+        return None
+    if isinstance(value, Limit):
+        return {"*": value}
+    if not isinstance(value, Mapping):
+        raise TypeError("limits must be a tickler.Limit, a mapping of group names to them, or None")
+    limits: dict[str, Limit] = {}
+    for group, limit in value.items():
+        if group != "*":
+            check_group(group)
+        if not isinstance(limit, Limit):
+            raise TypeError(f"limits[{group!r}] must be a tickler.Limit")
+        limits[group] = limit
+    return limits
+
+
+@attrs.define(eq=False)
+class Groups:
+    """The in-memory side of limits: who runs, who started when, and who waits held."""
+
+    engine: _Engine[Any, Any]
+    limits: dict[str, Limit]
+    # The group of each live request that has one.
+    group_of: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
+    # Attempts admitted and not ended, by group; and each one's group.
+    running: collections.Counter[str] = attrs.Factory(collections.Counter)
+    admitted: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
+    # The start times within the window, by rate-limited group.
+    starts: dict[str, collections.deque[float]] = attrs.Factory(dict)
+    # Requests held because their group is at its limit, in ready order.
+    held: dict[str, list[Entry]] = attrs.Factory(dict)
+    # For a group held by its rate: the request waiting in the engine's timer
+    # heap until the window lets the group start again.
+    wakes: dict[str, Ticket[Any, Any]] = attrs.Factory(dict)
+
+    def limit_of(self, group: str) -> Limit | None:
+        limit = self.limits.get(group)
+        return limit if limit is not None else self.limits.get("*")
+
+    @property
+    def limited(self) -> int:
+        """Requests waiting only because of a limit."""
+        return sum(len(held) for held in self.held.values()) + len(self.wakes)
+
+    def blocked_until(self, group: str, now: float) -> float | None:
+        """None if the group may start an attempt now; else when it may (inf: once one ends)."""
+        limit = self.limit_of(group)
+        if limit is None:
+            return None
+        if limit.concurrency is not None and self.running[group] >= limit.concurrency:
+            return math.inf
+        if limit.rate is not None:
+            starts = self.starts.get(group)
+            if starts:
+                while starts and starts[0] <= now - limit.per:
+                    starts.popleft()
+                if len(starts) >= limit.rate:
+                    return starts[0] + limit.per
+        return None
+
+    def admit(self, entry: Entry, group: str, now: float) -> bool:
+        """Start ``entry``'s request if its group allows it now (True); else hold it."""
+        ticket = entry[3]
+        if self.wakes.get(group) is ticket:
+            del self.wakes[group]
+        if self.blocked_until(group, now) is not None:
+            heapq.heappush(self.held.setdefault(group, []), entry)
+            self.pump(group, now)
+            return False
+        self.running[group] += 1
+        self.admitted[ticket] = group
+        limit = self.limit_of(group)
+        if limit is not None and limit.rate is not None:
+            self.starts.setdefault(group, collections.deque()).append(now)
+        self.pump(group, now)
+        return True
+
+    def pump(self, group: str, now: float) -> None:
+        """Send the group's next held request on, if the group allows a start.
+
+        Now: back to the ready heap. Once its rate window allows: into the
+        engine's timer heap until then (one request per group at a time).
+        """
+        held = self.held.get(group)
+        if not held or group in self.wakes:
+            return
+        engine = self.engine
+        until = self.blocked_until(group, now)
+        if until is None:
+            entry = heapq.heappop(held)
+            with engine._lock:
+                heapq.heappush(engine._ready, entry)
+            engine._tickle()
+        elif until < math.inf:
+            entry = heapq.heappop(held)
+            self.wakes[group] = entry[3]
+            heapq.heappush(engine._heap, (until, next(engine._heap_seq), entry[3]))
+            engine._tickle()  # the loop's timer must now wake by then
+        if not held:
+            del self.held[group]
+
+    def ended(self, ticket: Ticket[Any, Any]) -> None:
+        """An admitted attempt ended (or went back unstarted): its group's slot is free."""
+        group = self.admitted.pop(ticket, None)
+        if group is None:
+            return
+        self.running[group] -= 1
+        if not self.running[group]:
+            del self.running[group]
+        now = self.engine._time()
+        if now is not None:
+            self.pump(group, now)
+
+    def forget(self, ticket: Ticket[Any, Any]) -> None:
+        """A request became final: it belongs to no group any more."""
+        self.ended(ticket)
+        group = self.group_of.pop(ticket, None)
+        if group is not None and self.wakes.get(group) is ticket:
+            del self.wakes[group]  # cancelled in the timer heap: the next one wakes instead
+            now = self.engine._time()
+            if now is not None:
+                self.pump(group, now)
+
+    def take_held(
+        self, ticket: Ticket[Any, Any] | None, request_id: object
+    ) -> Ticket[Any, Any] | None:
+        """Take a held request out (by ticket, or by id), for cancel(); None if none is held."""
+        for group, held in self.held.items():
+            for index, entry in enumerate(held):
+                if entry[3] is ticket or (request_id is not None and entry[2] == request_id):
+                    held[index] = held[-1]
+                    held.pop()
+                    heapq.heapify(held)
+                    if not held:
+                        del self.held[group]
+                    return entry[3]
+        return None
+
+    def drain(self) -> list[Ticket[Any, Any]]:
+        """Every held request, taken out: a stop cancels them."""
+        tickets = [entry[3] for held in self.held.values() for entry in held]
+        self.held.clear()
+        return tickets
