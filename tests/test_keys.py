@@ -206,11 +206,18 @@ async def test_a_follow_up_with_a_key_during_a_drain(autojump_clock: trio.abc.Cl
 async def test_key_and_delay_are_keyword_only(enqueue_context: str) -> None:
     """By position they are refused, and nothing is enqueued; the signature says so."""
     service = tickler.Service(sleeper)
-    with pytest.raises(TypeError, match=r"key, delay, priority and unique_for are keyword-only$"):
+    with pytest.raises(
+        TypeError, match=r"key, delay, priority, unique_for and group are keyword-only$"
+    ):
         service.enqueue_request(1.0, "k")  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match=r"key, delay, priority and unique_for are keyword-only$"):
+    with pytest.raises(
+        TypeError, match=r"key, delay, priority, unique_for and group are keyword-only$"
+    ):
         service.enqueue_request(1.0, None)  # type: ignore[call-arg]
     assert service.statistics().enqueued == 0
     if enqueue_context == "harness contextvars":  # (the other run wraps the method)
         signature = inspect.signature(service.enqueue_request)
-        assert str(signature) == "(request, *, key=None, delay=None, priority=0, unique_for=None)"
+        assert (
+            str(signature)
+            == "(request, *, key=None, delay=None, priority=0, unique_for=None, group=None)"
+        )

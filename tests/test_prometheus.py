@@ -48,6 +48,7 @@ GAUGES = {
     "tickler_requests_retrying": "retrying",
     "tickler_capacity": "capacity",
     "tickler_paused": "paused",
+    "tickler_requests_limited": "limited",
 }
 HISTOGRAMS = {
     "tickler_request_wait_seconds": "wait_time",
@@ -100,7 +101,7 @@ def expected(
         samples[key(f"{name}_count", service=service)] = histogram.count
         samples[key(f"{name}_sum", service=service)] = histogram.sum
     for status, count in (store or {}).items():
-        if status != "paused":  # shown as tickler_paused
+        if status not in ("paused", "limited"):  # tickler_paused, tickler_requests_limited
             samples[key("tickler_store_requests", service=service, status=status)] = count
     if store_up is not None:
         samples[key("tickler_store_up", service=service)] = 1 if store_up else 0
@@ -279,6 +280,7 @@ async def settled_store_service(tmp_path: Path) -> AsyncIterator[tickler.Service
             "failed": 1,
             "cancelled": 1,
             "paused": 0,  # a flag beside the counts: 1 while the queue is paused
+            "limited": 0,  # ready rows held back by a group's limit
         }
         with trio.fail_after(10):
             while await service.store_statistics() != settled:

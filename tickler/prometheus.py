@@ -88,6 +88,12 @@ _GAUGES = (
     ("tickler_requests_retrying", "retrying", "Requests waiting for their next attempt."),
     ("tickler_capacity", "capacity", "The cap on attempts in flight."),
     (
+        "tickler_requests_limited",
+        "limited",
+        "Requests waiting only because their group is at its limit (one series: no label"
+        " per group).",
+    ),
+    (
         "tickler_paused",
         "paused",
         "1 while starts are paused (Service.pause, or with a store any process or the CLI).",
@@ -311,7 +317,7 @@ class Collector:
         for reading in readings:
             if reading.store is not None:
                 for status, count in reading.store.items():
-                    if status != "paused":  # a flag, not a status: tickler_paused
+                    if status not in ("paused", "limited"):  # tickler_paused, _requests_limited
                         store.add_metric([reading.name, status], count)
             if reading.store_up is not None:
                 up.add_metric([reading.name], 1 if reading.store_up else 0)
