@@ -109,6 +109,11 @@ OUTPUTS = {
     ("docs/scheduling.md", "enqueue-many-in"): "5000 [1, 2, 3]\n5000\n",
     ("docs/scheduling.md", "unique-for"): "True SUCCEEDED\n['ada']\n",
     ("docs/scheduling.md", "periodic"): "60 {60}\n",
+    ("docs/limits.md", "mail-provider"): "acme 30 sends over 2.0 s\ntiny 1 sends over 0.0 s\n",
+    ("docs/limits.md", "one-step-at-a-time"): (
+        "0s - audit entry\n0s blog create\n0s shop create\n1s blog dns\n1s shop dns\n"
+        "2s blog tls\n2s shop tls\n"
+    ),
     ("docs/observability.md", "prometheus"): (
         'tickler_requests_succeeded_total{service="mailer"} 3.0\n'
     ),
