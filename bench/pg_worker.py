@@ -6,7 +6,10 @@
 
 - ``drain``: insert ``n`` no-op requests, say ``ready``, wait for ``go`` on
   stdin, then run the system's worker at ``concurrency`` until stdin says
-  ``stop`` (or ends), and shut it down.
+  ``stop`` (or ends), and shut it down. tickler only: with ``groups``, the
+  requests are spread over that many groups (enqueue_many_in, ``group_chunk``
+  requests a call), and with ``group_concurrency`` the service has
+  ``limits=tickler.Limit(concurrency=group_concurrency)``.
 - ``latency``: run an idle worker whose handler prints, for each request, the
   time from the stamp in the request (``time.time_ns()`` at its enqueue) to
   the handler's start; say ``ready`` once it listens.
@@ -63,6 +66,9 @@ def tickler_insert(config: dict[str, Any]) -> None:
     """
     store = tickler.PostgresStore(config["dsn"], schema=config["schema"])
     store.connect().close()  # creates the schema
+    if config.get("groups"):
+        tickler_insert_grouped(store, config)
+        return
     codec = tickler.JsonCodec()
     now = time.time()
     with psycopg.connect(config["dsn"]) as db, db.transaction():
@@ -76,6 +82,21 @@ def tickler_insert(config: dict[str, Any]) -> None:
         db.execute("SELECT pg_notify(%s, %s)", (store.channel, QUEUE))
 
 
+def tickler_insert_grouped(store: tickler.PostgresStore, config: dict[str, Any]) -> None:
+    """The drain's rows spread over ``groups`` groups, by enqueue_many_in, in one transaction.
+
+    One call a chunk of ``group_chunk`` requests, the groups taking turns
+    (g0, g1, ..., then g0 again), so that the groups' rows interleave in the
+    claim order as requests from many callers would. Its COMMIT notifies.
+    """
+    n, groups, chunk = config["n"], config["groups"], config["group_chunk"]
+    names = [f"g{g}" for g in range(groups)]
+    with psycopg.connect(config["dsn"]) as db, db.transaction():
+        for turn, first in enumerate(range(0, n, chunk)):
+            requests = range(first, min(first + chunk, n))
+            store.enqueue_many_in(db, QUEUE, requests, group=names[turn % groups])
+
+
 async def tickler_worker(config: dict[str, Any], mode: str) -> None:
     store = tickler.PostgresStore(config["dsn"], schema=config["schema"])
 
@@ -86,8 +107,13 @@ async def tickler_worker(config: dict[str, Any], mode: str) -> None:
         emit(latency_ns=time.time_ns() - request)
 
     handler = noop if mode == "drain" else stamped
+    limit = config.get("group_concurrency")
     async with tickler.open_service(
-        handler, store=store, capacity=config["concurrency"], name=QUEUE
+        handler,
+        store=store,
+        capacity=config["concurrency"],
+        name=QUEUE,
+        limits=tickler.Limit(concurrency=limit) if limit else None,
     ) as service:
         if mode == "latency":
             await trio.sleep(config["settle"])  # the listener's LISTEN is in place

@@ -20,7 +20,12 @@ server there, every row here is skipped and says why.
   every ``poll`` seconds until enough are final, so the poll does not bound
   the time. A baseline too slow to drain them all within the time this part
   may take is timed to its first ``counted`` completions, with the same
-  number queued, and its row says so.
+  number queued, and its row says so. tickler's drain runs a second time
+  with the same requests spread over ``groups`` groups (written by
+  ``enqueue_many_in(..., group=...)``, ``group_chunk`` requests a call, the
+  groups taking turns) and its service given
+  ``limits=tickler.Limit(concurrency=group_concurrency)``; its row is
+  divided by the ungrouped drain of the same round.
 - **Latency**: an idle worker runs; the parent enqueues one request at a
   time, stamped with ``time.time_ns()`` just before the enqueue call, by each
   system's way from another process (tickler: ``store.enqueue_in`` in a
@@ -82,6 +87,12 @@ class PgConfig:
     # same `drain` requests queued.
     counted: int = 5_000  # procrastinate
     counted_default: int = 20_000  # pgqueuer at its default batch size
+    # The grouped drain: the same requests spread over `groups` groups, each
+    # limited to `group_concurrency` in flight; written `group_chunk` a call
+    # (enqueue_many_in), the groups taking turns.
+    groups: int = 100
+    group_concurrency: int = 1
+    group_chunk: int = 10
     # Latency: `latency` requests per block, `blocks` blocks per system, the
     # systems taking turns block by block, so that a slow spell of the
     # machine falls on each of them alike.
@@ -440,6 +451,16 @@ def rows(config: PgConfig) -> list[Row]:
             "pg_proc",
             ("ratio", ">=", 5.0),
         ),
+        Row(
+            "pg_groups",
+            "pg drain",
+            f"tickler PostgresStore, capacity={c}, {config.groups:,} groups,"
+            f" Limit(concurrency={config.group_concurrency})",
+            [],
+            "req/s",
+            "pg_tickler",
+            ("ratio", ">=", 0.5),
+        ),
         Row("pg_pgq", "pg drain", pgq, [], "req/s"),
         Row(
             "pg_pgq_default",
@@ -607,6 +628,20 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
         step = f"  round {round_no + 1}/{config.rounds}: postgres"
         rate = attempt("drain, tickler", partial(drain, bench_dsn, "tickler", config, config.drain))
         sample(("pg_tickler", "pg_tickler_proc"), rate)
+        rate = attempt(
+            "drain, tickler, grouped and limited",
+            partial(
+                drain,
+                bench_dsn,
+                "tickler",
+                config,
+                config.drain,
+                groups=config.groups,
+                group_chunk=config.group_chunk,
+                group_concurrency=config.group_concurrency,
+            ),
+        )
+        sample(("pg_groups",), rate)
         if len(systems) > 1:
             rate = attempt(
                 "drain, pgqueuer", partial(drain, bench_dsn, "pgqueuer", config, config.drain)
@@ -660,7 +695,10 @@ def notes(config: PgConfig) -> list[str]:
         return [f"PostgreSQL rows skipped: {config.skipped}."]
     lines = [
         f"PostgreSQL: drain {config.drain:,} no-op requests inserted first, concurrency"
-        f" {config.concurrency}, from the go to the last completion each store records;"
+        f" {config.concurrency}, from the go to the last completion each store records"
+        f" (tickler's grouped drain: the same requests in {config.groups:,} groups, written"
+        f" {config.group_chunk:,} a call by enqueue_many_in(group=...), the groups taking"
+        f" turns, each group at most {config.group_concurrency} in flight);"
         f" latency over {config.latency * config.blocks * config.rounds:,} requests per system,"
         f" one at a time on an idle worker, in blocks of {config.latency} that take turns"
         f" between the systems; medians of {config.rounds}"

@@ -116,6 +116,10 @@ QUICK = Config(
 )
 
 
+# The burst with limits: its requests spread over this many groups.
+BURST_GROUPS = 1_000
+
+
 async def _checkpoint_handler(request: object) -> None:
     await trio.lowlevel.checkpoint()
 
@@ -129,17 +133,25 @@ async def burst_tickler(
     context_per_request: bool = False,
     histograms: bool = False,
     priorities: bool = False,
+    groups: int = 0,
 ) -> tuple[float, float]:
     """Seconds for the burst, and wake-ups per request.
 
     With context_per_request, each request is enqueued from a context of its
     own (see in_own_context), so each carries a distinct Context. With
     priorities, every other request is enqueued with priority=1 (half of
-    them, interleaved with the priority-0 half).
+    them, interleaved with the priority-0 half). With groups, request i is
+    in group ``f"g{i % groups}"`` (the names made before the clock starts)
+    and the service has ``limits=tickler.Limit(concurrency=1)``.
     """
     service = tickler.Service(
-        _checkpoint_handler, capacity=concurrency, max_queue_length=None, histograms=histograms
+        _checkpoint_handler,
+        capacity=concurrency,
+        max_queue_length=None,
+        histograms=histograms,
+        limits=tickler.Limit(concurrency=1) if groups else None,
     )
+    names = [f"g{g}" for g in range(groups)]
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         enqueue = service.enqueue_request
@@ -148,6 +160,9 @@ async def burst_tickler(
         if context_per_request:
             for i in range(n):
                 in_own_context(enqueue, i)
+        elif groups:
+            for i in range(n):
+                enqueue(i, group=names[i % groups])
         elif priorities:
             for i in range(0, n - 1, 2):
                 enqueue(i)
@@ -669,6 +684,17 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             "tickler",
             ("ratio", ">=", 0.95),
         ),
+        # The burst with each request in one of 1,000 groups, each group limited
+        # to one in flight, over the plain burst of the same round.
+        "groups": Row(
+            "groups",
+            "burst",
+            f"tickler, {BURST_GROUPS:,} groups, Limit(concurrency=1)",
+            [],
+            "req/s",
+            "tickler",
+            ("ratio", ">=", 0.5),
+        ),
         # The burst with half its requests at priority=1, over the plain burst.
         "priorities": Row(
             "priorities",
@@ -834,6 +860,10 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             sample("aiojobs", n / in_context(False, asyncio.run, burst_aiojobs(n, c)))
         timed = in_context(False, trio.run, burst_tickler, n, c, False, False, True)[0]
         sample("priorities", n / timed)
+        timed = in_context(False, trio.run, burst_tickler, n, c, False, False, False, BURST_GROUPS)[
+            0
+        ]
+        sample("groups", n / timed)
         sample("sqlite", n / in_context(False, trio.run, burst_sqlite, n, c))
 
         out(f"  round {round_no + 1}/{config.rounds}: sqlite drain and enqueue")
@@ -920,6 +950,9 @@ def _in_memory_notes(rows: dict[str, Row], config: Config) -> list[str]:
         f"Burst with priorities: the burst with every other request enqueued with"
         f" priority=1 ({config.burst // 2:,} of {config.burst:,}), over the plain burst of"
         f" the same round.",
+        f"Burst with groups: the burst with request i in group g{{i % {BURST_GROUPS}}}"
+        f" (names made before the clock starts) on a service with"
+        f" limits=tickler.Limit(concurrency=1), over the plain burst of the same round.",
         _enqueue_many_note(rows, config),
         f"SQLite drain: {config.sqlite_drain:,} no-op requests written to a fresh file in one"
         f" transaction before the worker starts (tickler: SqliteStore.enqueue_many_in; huey:"
