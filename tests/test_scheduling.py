@@ -457,3 +457,30 @@ async def test_pause_from_another_thread_is_refused(autojump_clock: trio.abc.Clo
         with pytest.raises(RuntimeError, match="from the thread running it"):
             await trio.to_thread.run_sync(service.pause)
         assert not service.paused
+
+
+async def test_a_pause_hands_back_what_was_claimed_ahead(tmp_path: Path) -> None:
+    gate = trio.Event()
+
+    async def handler(request: int) -> None:
+        if request >= 6:
+            await gate.wait()
+
+    store = tickler.SqliteStore(tmp_path / "queue.db", **FAST)
+    async with tickler.open_service(handler, store=store, capacity=2) as service:
+        service.enqueue_many(range(30))
+        with trio.fail_after(5):
+            while service.statistics().queued == 0:
+                await trio.sleep(0.01)  # claimed ahead of a free slot, waiting here
+        service.pause()
+        assert service.statistics().queued == 0  # handed back at once
+        with trio.fail_after(5):
+            while (await service.store_statistics())["claimed"] != 0:
+                await trio.sleep(0.02)
+        counts = await service.store_statistics()
+        assert counts["running"] == 2  # the two that run go on
+        assert counts["queued"] == 30 - 6 - 2
+        gate.set()
+        service.resume()
+        await service.join()
+        assert (await service.store_statistics())["succeeded"] == 30

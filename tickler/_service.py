@@ -357,6 +357,8 @@ class Service(_Engine[RequestT, ResultT]):
         stored = self._store_run
         if stored is not None:
             stored.pause_wanted = paused  # written by the next batch
+            if paused:
+                stored.return_claimed()
             self._tickle()
 
     @property

@@ -126,6 +126,22 @@ class StoreSync:
     # Periodic ticks for the next batch: see Batch.ticks.
     ticks: list[tuple[str, float, bool, bytes, int]] = attrs.Factory(list)
 
+    def return_claimed(self) -> None:
+        """The queue is paused: what this process claimed ahead and has not started goes back.
+
+        The next batch writes each back to queued, for any replica once the
+        queue resumes: none stays claimed (running, in the store's eyes) by
+        a process that may not start it.
+        """
+        engine = self.engine
+        with engine._lock:
+            waiting = list(engine._queue)
+            engine._queue.clear()
+        for ticket in waiting:
+            self.outcomes.append(("returned", ticket, (wall_clock(),), None))
+        if waiting:
+            engine._tickle()
+
     def attempt_started(self, request_id: int, scope: trio.CancelScope) -> None:
         """An attempt started here, under ``scope``: the loop may take it away through it."""
         self.scopes[request_id] = scope
@@ -312,9 +328,11 @@ class StoreSync:
         self.marked.update(batch.started)
         if batch.pause is not None and self.pause_wanted is batch.pause:
             self.pause_wanted = None
-        if self.pause_wanted is None:
+        if self.pause_wanted is None and result.paused != engine._paused:
             # A pause or resume from any process, this one's once written.
             engine._set_paused(result.paused)
+            if result.paused:
+                self.return_claimed()
         looked = batch.finished_since is not None
         if looked:
             # Overlapping looks: a clock step back loses nothing.
