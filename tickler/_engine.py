@@ -493,8 +493,7 @@ class _Engine(Generic[RequestT, ResultT]):
             if _keyword_only is not _KEYWORD_ONLY:
                 _refuse_positional()
             return self._intake.enqueue_keyed(request, key, delay, priority, unique_for, group)
-        # (Everything below is the hot path. Intake.enqueue_keyed is its twin for
-        # keys and delays; _capture_context, the part on contextvars.)
+        # (The hot path. Twins: Intake.enqueue_keyed, and _capture_context for contexts.)
         # tuned (bench: burst, a contextvar set; enqueue): the context is
         # shared with the last request's when it holds the very same objects;
         # twin: _capture_context.
@@ -525,8 +524,7 @@ class _Engine(Generic[RequestT, ResultT]):
                 self._last_context = (context, tuple(context.items()), len(context))
         timer = self._timer
         # tuned (bench: enqueue): the ticket is built field by field, outside the lock: Ticket's own
-        # __init__ (its twin) costs about 40 ns more per call. Its id is given
-        # under the lock.
+        # __init__ (its twin) costs about 40 ns more per call. Its id is given under the lock.
         ticket = _new_ticket(Ticket)
         ticket.request = request
         ticket.status = _QUEUED

@@ -355,15 +355,7 @@ def run_batch(
             x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.pause is not None:
             x(sql.set_paused, (queue, batch.pause))
-        claimed: Callable[[], list[Claimed]] | None = None
-        if batch.limits is not None:
-            limits = normal_limits(batch.limits)
-            write_limits(d, queue, limits)
-            if batch.claim:
-                rows, result.limited = claim_limited(d, queue, owner, lease, batch.claim, limits)
-                claimed = rows.copy
-        elif batch.claim:
-            claimed = d.claim(queue, owner, now, now + lease, batch.claim)
+        claimed = _claim(d, queue, owner, lease, now, batch, result)
         # Asked before the claim's rows are read: a server answers both, and
         # with reads_after_commit the COMMIT, in one round trip.
         due_and_live = d.due_and_live(queue)
@@ -379,11 +371,7 @@ def run_batch(
         if not d.reads_after_commit:
             read()
         if batch.watched:
-            result.finals = d.finals(batch.watched)
-            found = {row.id for row in result.finals}
-            result.missing = [
-                i for i in batch.watched if i not in found and x(sql.has, (i,)).fetchone() is None
-            ]
+            _read_finals(d, batch.watched, result)
         cutoff = now - retention
         if batch.finished_since is not None:
             result.recent = [row[0] for row in x(sql.recent, (queue, batch.finished_since))]
@@ -401,6 +389,34 @@ def run_batch(
         d.rollback()
         raise
     return result
+
+
+def _claim(
+    d: Dialect, queue: str, owner: str, lease: float, now: float, batch: Batch, result: BatchResult
+) -> Callable[[], list[Claimed]] | None:
+    """The batch's claim, to read once the batch is sent: plain, or under the limits.
+
+    With limits, they are also recorded for the queue, and ``result.limited``
+    counts the ready rows they hold back.
+    """
+    if batch.limits is None:
+        return d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
+    limits = normal_limits(batch.limits)
+    write_limits(d, queue, limits)
+    if not batch.claim:
+        return None
+    rows, result.limited = claim_limited(d, queue, owner, lease, batch.claim, limits)
+    return rows.copy
+
+
+def _read_finals(d: Dialect, watched: Sequence[int], result: BatchResult) -> None:
+    """The final rows of the watched ids, and the ids with no row left at all."""
+    result.finals = d.finals(watched)
+    found = {row.id for row in result.finals}
+    has = d.statements.has
+    result.missing = [
+        i for i in watched if i not in found and d.execute(has, (i,)).fetchone() is None
+    ]
 
 
 def _shifted_insert(entry: tuple[Any, ...], shift: float) -> tuple[Any, ...]:
