@@ -206,6 +206,7 @@ class Service(_Engine[RequestT, ResultT]):
                     group: (limit.concurrency, limit.rate, limit.per)
                     for group, limit in checked_limits.items()
                 }
+                sync.rated = any(limit.rate is not None for limit in checked_limits.values())
         if sync is not None:
             for each in schedules:
                 try:

@@ -123,6 +123,7 @@ class StoreSync:
     # and how many ready rows the last claim left waiting for a limit.
     limits: dict[str, tuple[int | None, int | None, float]] | None = None
     limited: int = 0
+    rated: bool = False  # some group has a rate limit
     # Periodic ticks for the next batch: see Batch.ticks.
     ticks: list[tuple[str, float, bool, bytes, int]] = attrs.Factory(list)
 
@@ -290,6 +291,10 @@ class StoreSync:
         # queue's other work to other processes. Nothing is claimed while
         # a cancel() settles.
         ahead = min(2 * len(self.outcomes), _AHEAD * engine._capacity)
+        if self.rated:
+            # A rate counts a start at its claim: what is claimed must start
+            # then, not wait here behind busy slots and start in a later window.
+            ahead = 0
         free = engine._capacity + ahead - engine._in_flight - len(engine._queue)
         claiming = (
             engine._may_start
