@@ -185,3 +185,28 @@ async def test_limits_hold_across_two_replicas_on_one_sqlite_file(tmp_path: Any)
         for (_, end), (start, _) in itertools.pairwise(group_spans):
             assert end <= start + 0.001, group  # one at a time per group, over both replicas
     assert max(plain_waits) < 1.0  # never held behind the groups' backlog
+
+
+async def test_a_processor_that_finds_only_held_requests_parks(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A slot frees while the only ready request's group is at its limit: nothing starts."""
+    runs, handler = ledger()
+
+    async def slow_or_quick(request: tuple[str, str]) -> None:
+        if request[1] == "g0":
+            await trio.sleep(9)  # holds group g
+        await handler(request)
+
+    async with tickler.open_service(
+        slow_or_quick, capacity=2, limits=tickler.Limit(concurrency=1)
+    ) as service:
+        service.enqueue_request(("-", "x0"))
+        service.enqueue_request(("g", "g0"), group="g")
+        await trio.sleep(0.5)
+        service.enqueue_request(("g", "g1"), group="g")  # ready, then held by its group
+        await trio.sleep(5)
+        assert service.statistics().limited == 1
+        assert service.statistics().in_flight == 1
+    starts = {request: start for _, request, start, _ in runs}
+    assert starts["g1"] >= 10  # once g0 ended

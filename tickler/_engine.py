@@ -1006,7 +1006,8 @@ class _Engine(Generic[RequestT, ResultT]):
                             break
                         if ready or (heap and heap[0][0] <= now):
                             following = self._take(now)
-                            assert following is not None
+                            if following is None:
+                                break  # all that was ready waits for its group's limit
                             ticket = following
                             following = None
                         elif queue:
