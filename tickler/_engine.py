@@ -1008,8 +1008,7 @@ class _Engine(Generic[RequestT, ResultT]):
                             following = self._take(now)
                             if following is None:
                                 break  # all that was ready waits for its group's limit
-                            ticket = following
-                            following = None
+                            ticket, following = following, None
                         elif queue:
                             # tuned (bench: burst): the common case of _take, inlined (twin:
                             # _take); calling _take (and _finish above) here cost about 2% of burst
