@@ -155,3 +155,28 @@ def check_queue_name(name: str, what: str) -> None:
             f"{what} must be at most {MAX_QUEUE_BYTES} bytes in UTF-8 with a store,"
             f" not {size}: it names the store's queue"
         )
+
+
+# The longest group name, and periodic request name, in bytes of UTF-8 (each is a column).
+MAX_GROUP_BYTES = 200
+
+
+def check_short_name(value: object, what: str) -> str:
+    """A group's or a periodic request's name, checked: a str of 1 to 200 bytes of UTF-8,
+    with no NUL and no lone surrogate (what every store can keep); ``what`` names it."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise ValueError(f"{what} must not hold a NUL or a lone surrogate")
+    if not 0 < len(value.encode("utf-8")) <= MAX_GROUP_BYTES:
+        raise ValueError(f"{what} must be 1 to {MAX_GROUP_BYTES} bytes of UTF-8")
+    return value
+
+
+def check_group(value: object) -> str | None:
+    """A request's group, checked: None, or a name as check_short_name takes it."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"group must be a str or None, not {type(value).__name__}")
+    return check_short_name(value, "group")

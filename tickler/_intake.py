@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import trio
 
+from ._codec import check_group
 from ._core import (
     _MISSING,
     _QUEUED,
@@ -33,7 +34,6 @@ from ._core import (
 )
 from ._engine import _Engine
 from ._exceptions import QueueFull, ServiceClosed
-from ._limits import check_group
 from ._ticket import Ticket
 
 _new_ticket = object.__new__

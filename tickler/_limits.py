@@ -20,26 +20,12 @@ from typing import Any
 
 import attrs
 
+from ._codec import check_group
 from ._engine import _Engine
 from ._ticket import Ticket
 
 # A ready request as the engine's ready heap holds it: (-priority, ready since, id, ticket).
 Entry = tuple[int, float, int, Ticket[Any, Any]]
-
-MAX_GROUP_BYTES = 200
-
-
-def check_group(value: object) -> str | None:
-    """A request's group, checked: None, or a str of 1 to 200 bytes of UTF-8."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"group must be a str or None, not {type(value).__name__}")
-    if not value or len(value.encode("utf-8", "surrogatepass")) > MAX_GROUP_BYTES:
-        raise ValueError(f"group must be 1 to {MAX_GROUP_BYTES} bytes of UTF-8")
-    if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-        raise ValueError("group must not hold a NUL or a lone surrogate")
-    return value
 
 
 @attrs.frozen(init=False)

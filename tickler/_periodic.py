@@ -18,20 +18,8 @@ from typing import Any
 
 import attrs
 
+from ._codec import check_short_name
 from ._core import check_priority
-
-# Longest name of a periodic request, in bytes of UTF-8 (it is a column).
-MAX_NAME_BYTES = 200
-
-
-def _check_name(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"name must be a str, not {type(value).__name__}")
-    if not value or len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-        raise ValueError(f"name must be 1 to {MAX_NAME_BYTES} bytes of UTF-8")
-    if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-        raise ValueError("name must not hold a NUL or a lone surrogate")
-    return value
 
 
 @attrs.frozen(init=False)
@@ -68,7 +56,7 @@ class Periodic:
         timezone: str = "UTC",
         priority: int = 0,
     ) -> None:
-        name = _check_name(name)
+        name = check_short_name(name, "name")
         if (every is None) == (cron is None):
             raise ValueError("give exactly one of every (seconds) and cron (an expression)")
         if every is not None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from .._codec import Codec, JsonCodec, check_queue_name, encode_key
+from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
 from .._exceptions import StoreError
 from ._seam import Batch, BatchResult, Claimed, Row
 
@@ -891,27 +891,6 @@ Limits = Mapping[str, tuple[int | None, int | None, float]]
 # order, whatever their group: past that many rows of groups at their limit, the claim
 # looks group by group instead, so that it never reads a blocked group's backlog.
 CHUNK_EXTRA = 64
-
-# The longest group name a store takes, in bytes of UTF-8.
-MAX_GROUP_BYTES = 200
-
-
-def check_group(group: object) -> str | None:
-    """A request's group, checked: None, or a str of 1 to MAX_GROUP_BYTES bytes of UTF-8
-    without NUL."""
-    if group is None:
-        return None
-    if not isinstance(group, str):
-        raise TypeError("group must be None or a str")
-    try:
-        size = len(group.encode())
-    except UnicodeEncodeError:
-        raise ValueError("group must be valid UTF-8 (it holds a lone surrogate)") from None
-    if "\0" in group:
-        raise ValueError("group must not hold a NUL character")
-    if not 0 < size <= MAX_GROUP_BYTES:
-        raise ValueError(f"group must be 1 to {MAX_GROUP_BYTES} bytes in UTF-8")
-    return group
 
 
 def normal_limits(limits: Limits) -> dict[str, tuple[int | None, int | None, float]]:
