@@ -210,3 +210,117 @@ async def test_a_processor_that_finds_only_held_requests_parks(
         assert service.statistics().in_flight == 1
     starts = {request: start for _, request, start, _ in runs}
     assert starts["g1"] >= 10  # once g0 ended
+
+
+async def test_grouped_requests_start_in_enqueue_order_within_their_group(
+    autojump_clock: trio.abc.Clock, enqueue_context: str
+) -> None:
+    """Requests of priority 0 wait in the plain queue and are checked as they leave it: some
+    are held and sent on again; each group still starts in enqueue order, within its limit,
+    and nothing of another group or of none waits behind them."""
+    durations = itertools.cycle([0.3, 1.7, 0.1, 2.9, 0.6, 1.1, 0.2])
+    length = {}
+    running: collections.Counter[str] = collections.Counter()
+    most: collections.Counter[str] = collections.Counter()
+    started: dict[tuple[str, int], float] = {}
+
+    async def handler(request: tuple[str, int]) -> None:
+        group = request[0]
+        running[group] += 1
+        most[group] = max(most[group], running[group])
+        started[request] = trio.current_time()
+        await trio.sleep(length[request])
+        running[group] -= 1
+
+    limits = {"*": tickler.Limit(concurrency=2), "solo": tickler.Limit(concurrency=1)}
+    async with tickler.open_service(handler, capacity=5, limits=limits) as service:
+        for i in range(60):
+            group = ("a", "solo", "a", "b", "-")[i % 5]
+            length[(group, i)] = next(durations)
+            service.enqueue_request((group, i), group=None if group == "-" else group)
+        held = 0
+        while service.statistics().succeeded < 60:
+            held = max(held, service.statistics().limited)
+            await trio.sleep(0.05)
+        assert held > 0  # some were held, and sent on later
+    assert most == {"a": 2, "b": 2, "solo": 1, "-": max(most["-"], 1)}
+    for group in ("a", "b", "solo", "-"):
+        # In enqueue order, each starts no earlier than the one before it (those that start
+        # in the same instant do so in an order Trio chooses).
+        times = [started[(g, i)] for g, i in sorted(started) if g == group]
+        assert times == sorted(times), (group, times)
+    assert len(started) == 60
+    assert service.statistics().limited == 0
+
+
+async def test_a_held_request_still_counts_against_max_queue_length(
+    autojump_clock: trio.abc.Clock, enqueue_context: str
+) -> None:
+    """A grouped request taken from the queue and held for its group keeps its place in
+    the bound: the queue is as full as before it left."""
+    _runs, handler = ledger()
+    service = tickler.Service(
+        handler, capacity=2, max_queue_length=3, limits=tickler.Limit(concurrency=1)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        service.enqueue_request(("g", "g0"), group="g")
+        await trio.sleep(0.1)  # g0 runs
+        for i in (1, 2, 3):
+            service.enqueue_request(("g", f"g{i}"), group="g")
+        await trio.sleep(0.1)  # the free slot's take holds them, one by one
+        assert service.statistics().limited == 3
+        with pytest.raises(tickler.QueueFull):
+            service.enqueue_request(("g", "g4"), group="g")
+        with pytest.raises(tickler.QueueFull):
+            service.enqueue_request(("-", "x"))
+        assert service.statistics().rejected == 2
+        await service.stop()
+        with pytest.raises(tickler.ServiceClosed):
+            service.enqueue_request(("g", "late"), group="g")
+    stats = service.statistics()
+    assert stats.succeeded == 4
+    assert stats.peak_queued >= 3
+    assert stats.limited == 0
+
+
+async def test_group_names_are_checked_on_a_running_service(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runs, handler = ledger()
+    async with tickler.open_service(handler, limits=tickler.Limit(concurrency=1)) as service:
+        for bad, error, match in [
+            (5, TypeError, "group must be a str or None, not int"),
+            ("", ValueError, "group must be 1 to 200 bytes"),
+            ("x" * 201, ValueError, "group must be 1 to 200 bytes"),
+            ("é" * 101, ValueError, "group must be 1 to 200 bytes"),  # 202 bytes of UTF-8
+            ("a\x00b", ValueError, "group must not hold a NUL"),
+            ("a\ud800", ValueError, "group must not hold a NUL or a lone surrogate"),
+        ]:
+            with pytest.raises(error, match=match):
+                service.enqueue_request(("bad", "r"), group=bad)
+        service.enqueue_request(("é" * 100, "ok"), group="é" * 100)  # 200 bytes: fine
+        service.enqueue_request(("x" * 200, "ok"), group="x" * 200)
+    assert service.statistics().enqueued == 2
+    assert sorted(group for group, _, _, _ in runs) == sorted(["é" * 100, "x" * 200])
+
+
+async def test_grouped_requests_from_a_thread_and_at_debug(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From another thread the loop is woken; at DEBUG each grouped enqueue is logged."""
+    runs, handler = ledger()
+    async with tickler.open_service(handler, limits=tickler.Limit(concurrency=1)) as service:
+        tickets = await trio.to_thread.run_sync(
+            lambda: [service.enqueue_request(("t", f"t{i}"), group="t") for i in range(3)]
+        )
+        with trio.fail_after(10):
+            while not all(t.done for t in tickets):
+                await trio.sleep(0.01)
+    in_order = [request for group, request, _, _ in sorted(runs, key=lambda r: r[2])]
+    assert in_order == ["t0", "t1", "t2"]
+    with caplog.at_level("DEBUG", logger="tickler"):
+        async with tickler.open_service(handler, limits=tickler.Limit(concurrency=1)) as service:
+            logged = service.enqueue_request(("d", "d0"), group="d")
+    assert logged.status is tickler.Status.SUCCEEDED
+    assert f"request #{logged.id} added" in caplog.text

@@ -166,6 +166,9 @@ def check_short_name(value: object, what: str) -> str:
     with no NUL and no lone surrogate (what every store can keep); ``what`` names it."""
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    # tuned (bench: groups): an ASCII name holds no surrogate and is as long in UTF-8.
+    if value.isascii() and 0 < len(value) <= MAX_GROUP_BYTES and "\x00" not in value:
+        return value
     if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
         raise ValueError(f"{what} must not hold a NUL or a lone surrogate")
     if not 0 < len(value.encode("utf-8")) <= MAX_GROUP_BYTES:

@@ -625,22 +625,28 @@ class _Engine(Generic[RequestT, ResultT]):
             ticket = taken
         else:
             queue = self._queue
-            if not queue:
-                return None
-            # Only this thread pops, so the queue cannot empty meanwhile.
-            lock = self._lock
-            lock.acquire()
-            try:
-                # Between pops the queue only grows, so its peak is reached
-                # just before a pop: recording it here keeps enqueue lean.
-                length = len(queue)
-                if length > self._peak:
-                    self._peak = length
-                ticket = queue.popleft()
-            finally:
-                lock.release()
-            if self._submitters:
-                self._intake.room.unpark()
+            groups = self._groups
+            while True:
+                if not queue:
+                    return None
+                # Only this thread pops, so the queue cannot empty meanwhile.
+                lock = self._lock
+                lock.acquire()
+                try:
+                    # Between pops the queue only grows, so its peak is reached
+                    # just before a pop: recording it here keeps enqueue lean.
+                    length = len(queue)
+                    if length > self._peak:
+                        self._peak = length
+                    ticket = queue.popleft()
+                finally:
+                    lock.release()
+                if self._submitters:
+                    self._intake.room.unpark()
+                # tuned (bench: groups, burst): with limits, a queued request's group is
+                # checked as it leaves the queue; without, one test of one slot.
+                if groups is None or groups.admit_queued(ticket, now):
+                    break
         self._in_flight += 1
         if self._debug:
             self._log_dequeued(ticket)
@@ -673,12 +679,17 @@ class _Engine(Generic[RequestT, ResultT]):
                 first = ready[0] if ready else None
                 if queue and (first is None or (0, queue[0].enqueued_at, queue[0].id) < first[:3]):
                     ticket = queue.popleft()
-                    if self._submitters:
-                        self._intake.room.unpark()
-                    return ticket
-                if first is None:
+                    first = None
+                elif first is None:
                     return None
-                heapq.heappop(ready)
+                else:
+                    heapq.heappop(ready)
+            if first is None:  # from the queue
+                if self._submitters:
+                    self._intake.room.unpark()
+                if groups is None or groups.admit_queued(ticket, now):
+                    return ticket
+                continue
             group = groups.group_of.get(first[3]) if groups is not None else None
             if group is None or groups.admit(first, group, now):  # type: ignore[union-attr]
                 break
@@ -868,7 +879,7 @@ class _Engine(Generic[RequestT, ResultT]):
         start.clear()
         timer = self._timer
         assert timer is not None
-        offset, handler, timeout = self._offset, self._handler, self._timeout
+        offset, handler, timeout, groups = self._offset, self._handler, self._timeout, self._groups
         heap, queue, lock, ready = self._heap, self._queue, self._lock, self._ready
         task = trio.lowlevel.current_task()
         stored = self._store_run  # None for the in-memory engine
@@ -1004,7 +1015,7 @@ class _Engine(Generic[RequestT, ResultT]):
                             # (Cancelled: by cancel(), a stop or a crash; the
                             # processor takes nothing more, and ends.)
                             break
-                        if ready or (heap and heap[0][0] <= now):
+                        if ready or groups or (heap and heap[0][0] <= now):  # groups: see _take
                             following = self._take(now)
                             if following is None:
                                 break  # all that was ready waits for its group's limit

@@ -82,14 +82,22 @@ def check_limits(value: object) -> dict[str, Limit] | None:
 
 @attrs.define(eq=False)
 class Groups:
-    """The in-memory side of limits: who runs, who started when, and who waits held."""
+    """The in-memory side of limits: who runs, who started when, and who waits held.
+
+    A grouped request of priority 0 waits in the engine's plain queue, and
+    any other in its ready heap; either way its group is checked as it
+    leaves (admit_queued, admit). One held for its group waits here, and
+    counts with the intake's ``ranked`` as the ready heap's requests do.
+    """
 
     engine: _Engine[Any, Any]
     limits: dict[str, Limit]
+    # The limit of every group not named in limits ("*"), or None.
+    default: Limit | None = attrs.field(init=False)
     # The group of each live request that has one.
     group_of: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
-    # Attempts admitted and not ended, by group; and each one's group.
-    running: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # Attempts admitted and not ended, by group (no zeros); and each one's group.
+    running: dict[str, int] = attrs.Factory(dict)
     admitted: dict[Ticket[Any, Any], str] = attrs.Factory(dict)
     # The start times within the window, by rate-limited group.
     starts: dict[str, collections.deque[float]] = attrs.Factory(dict)
@@ -99,9 +107,11 @@ class Groups:
     # heap until the window lets the group start again.
     wakes: dict[str, Ticket[Any, Any]] = attrs.Factory(dict)
 
+    def __attrs_post_init__(self) -> None:
+        self.default = self.limits.get("*")
+
     def limit_of(self, group: str) -> Limit | None:
-        limit = self.limits.get(group)
-        return limit if limit is not None else self.limits.get("*")
+        return self.limits.get(group, self.default)
 
     @property
     def limited(self) -> int:
@@ -110,10 +120,10 @@ class Groups:
 
     def blocked_until(self, group: str, now: float) -> float | None:
         """None if the group may start an attempt now; else when it may (inf: once one ends)."""
-        limit = self.limit_of(group)
+        limit = self.limits.get(group, self.default)
         if limit is None:
             return None
-        if limit.concurrency is not None and self.running[group] >= limit.concurrency:
+        if limit.concurrency is not None and self.running.get(group, 0) >= limit.concurrency:
             return math.inf
         if limit.rate is not None:
             starts = self.starts.get(group)
@@ -124,6 +134,36 @@ class Groups:
                     return starts[0] + limit.per
         return None
 
+    def admit_queued(self, ticket: Ticket[Any, Any], now: float) -> bool:
+        """admit() for a request taken from the engine's plain queue: True if it starts now.
+
+        Held, it counts with the intake's ``ranked`` from here on, as the
+        plain queue no longer holds it.
+        """
+        group = self.group_of.get(ticket)
+        if group is None:
+            return True
+        # tuned (bench: groups): a group with room, nothing held and no rate
+        # starts at once, with no entry built for the heaps.
+        limit = self.limits.get(group, self.default)
+        if limit is None or (
+            limit.rate is None
+            and group not in self.held
+            and (limit.concurrency is None or self.running.get(group, 0) < limit.concurrency)
+        ):
+            self.running[group] = self.running.get(group, 0) + 1
+            self.admitted[ticket] = group
+            return True
+        since = ticket.enqueued_at
+        entry = (0, since if since is not None else -math.inf, ticket.id, ticket)
+        if self.admit(entry, group, now):
+            return True
+        engine = self.engine
+        with engine._lock:
+            engine._intake.ranked += 1
+            engine._intake.set_admit()
+        return False
+
     def admit(self, entry: Entry, group: str, now: float) -> bool:
         """Start ``entry``'s request if its group allows it now (True); else hold it."""
         ticket = entry[3]
@@ -133,12 +173,13 @@ class Groups:
             heapq.heappush(self.held.setdefault(group, []), entry)
             self.pump(group, now)
             return False
-        self.running[group] += 1
+        self.running[group] = self.running.get(group, 0) + 1
         self.admitted[ticket] = group
-        limit = self.limit_of(group)
+        limit = self.limits.get(group, self.default)
         if limit is not None and limit.rate is not None:
             self.starts.setdefault(group, collections.deque()).append(now)
-        self.pump(group, now)
+        if group in self.held:
+            self.pump(group, now)
         return True
 
     def pump(self, group: str, now: float) -> None:
@@ -170,18 +211,22 @@ class Groups:
         group = self.admitted.pop(ticket, None)
         if group is None:
             return
-        self.running[group] -= 1
-        if not self.running[group]:
-            del self.running[group]
-        now = self.engine._time()
-        if now is not None:
-            self.pump(group, now)
+        running = self.running
+        left = running[group] - 1
+        if left:
+            running[group] = left
+        else:
+            del running[group]
+        if group in self.held:
+            now = self.engine._time()
+            if now is not None:
+                self.pump(group, now)
 
     def forget(self, ticket: Ticket[Any, Any]) -> None:
         """A request became final: it belongs to no group any more."""
         self.ended(ticket)
         group = self.group_of.pop(ticket, None)
-        if group is not None and self.wakes.get(group) is ticket:
+        if group is not None and self.wakes and self.wakes.get(group) is ticket:
             del self.wakes[group]  # cancelled in the timer heap: the next one wakes instead
             now = self.engine._time()
             if now is not None:

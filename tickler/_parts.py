@@ -48,7 +48,10 @@ class IntakePart(Protocol):
         group: str | None = None,
         *,
         waits: bool = False,
+        general: bool = False,
     ) -> Ticket[Any, Any]: ...
+
+    def enqueue_grouped(self, request: Any, group: str | None) -> Ticket[Any, Any]: ...
 
     def unrank(self) -> None: ...
 
@@ -101,6 +104,8 @@ class GroupsPart(Protocol):
     def admit(
         self, entry: tuple[int, float, int, Ticket[Any, Any]], group: str, now: float
     ) -> bool: ...
+
+    def admit_queued(self, ticket: Ticket[Any, Any], now: float) -> bool: ...
 
     def ended(self, ticket: Ticket[Any, Any]) -> None: ...
 
