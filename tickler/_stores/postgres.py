@@ -26,6 +26,7 @@ from ._sql import (
     ROW_COLUMNS,
     SETS,
     Enqueue,
+    LimitedMemo,
     QueueReport,
     Statements,
     cancel,
@@ -242,6 +243,11 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     limited_count="SELECT coalesce(sum(c.n), 0) FROM unnest(%(groups)s::text[]) AS g(name)"  # noqa: S608 (constants only)
     " CROSS JOIN LATERAL (SELECT count(*) AS n FROM tickler_requests"
     f" WHERE queue = %(queue)s AND {_READY} AND group_name = g.name AND run_at <= %(now)s) AS c",
+    # The same, each group's count and the whole stopped at cap.
+    limited_upto="SELECT count(*) FROM (SELECT 1 FROM unnest(%(groups)s::text[]) AS g(name)"  # noqa: S608 (constants only)
+    " CROSS JOIN LATERAL (SELECT 1 FROM tickler_requests"
+    f" WHERE queue = %(queue)s AND {_READY} AND group_name = g.name AND run_at <= %(now)s"
+    " LIMIT %(cap)s) AS c LIMIT %(cap)s) AS upto",
     busiest_groups="SELECT group_name, count(*) FILTER (WHERE state = 'running'),"  # noqa: S608 (constants only)
     " count(*) FILTER (WHERE state <> 'running')"
     f" FROM tickler_requests WHERE queue = %s AND group_name IS NOT NULL AND {_LIVE_STATE}"
@@ -275,16 +281,37 @@ SELECT id, priority, due, group_name FROM (
 ORDER BY priority DESC, due, id LIMIT %(limit)s
 """  # noqa: S608 (constants only)
 
-# The first rows of each group asked for, as many as asked, on tickler_groups.
-_GROUP_HEADS = f"""
-SELECT head.id, head.priority, head.run_at, head.group_name
-FROM unnest(%(groups)s::text[], %(counts)s::int8[]) AS want(name, n)
-CROSS JOIN LATERAL (
+# Every group that has ready rows, found one at a time on tickler_groups, each with its first
+# ready row in claim order (a loose index scan: each probe finds the next group and its first
+# row at once); then, for each group whose room (its entry of the rooms given, else the
+# default room) is more than one, or whose first row is not due, its first due rows, as many
+# as its room. A group at its limit costs one probe.
+_GROUP_CANDIDATES = f"""
+WITH RECURSIVE head AS (
+    (SELECT id, priority, run_at, group_name FROM tickler_requests
+     WHERE queue = %(queue)s AND {_READY} AND group_name IS NOT NULL
+     ORDER BY group_name, priority DESC, run_at, id LIMIT 1)
+    UNION ALL
+    SELECT next.* FROM head CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND group_name > head.group_name
+        ORDER BY group_name, priority DESC, run_at, id LIMIT 1
+    ) AS next
+), want AS (
+    SELECT head.*, coalesce(room.n, %(default_room)s::int8) AS n
+    FROM head LEFT JOIN unnest(%(groups)s::text[], %(rooms)s::int8[]) AS room(name, n)
+        ON room.name = head.group_name
+)
+SELECT id, priority, run_at, group_name FROM want
+UNION ALL
+SELECT more.id, more.priority, more.run_at, more.group_name
+FROM want CROSS JOIN LATERAL (
     SELECT id, priority, run_at, group_name FROM tickler_requests
-    WHERE queue = %(queue)s AND {_READY} AND group_name = want.name
+    WHERE queue = %(queue)s AND {_READY} AND group_name = want.group_name
         AND run_at <= %(now)s
     ORDER BY priority DESC, run_at, id LIMIT want.n
-) AS head
+) AS more
+WHERE want.n > 1 OR (want.n = 1 AND want.run_at > %(now)s)
 """  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
@@ -763,6 +790,7 @@ class PostgresSession:
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.limits_written: dict[str, str] = {}
+        self.limited_memo: dict[str, LimitedMemo] = {}
         self.db = self._open()
         self._pipeline: psycopg.Pipeline | None = None
 
@@ -960,20 +988,21 @@ class PostgresSession:
         key = f"tickler:{self.store.schema}:limits:{queue}"
         self.db.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
 
-    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
+    def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
         params = {"queue": queue, "now": now, "limit": size}
-        return self.db.execute(_READY_CHUNK, params).fetchall()
+        return self.db.execute(_READY_CHUNK, params).fetchall
 
-    def group_heads(
-        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
-    ) -> list[tuple[Any, ...]]:
+    def group_candidates(
+        self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
+    ) -> Callable[[], list[tuple[Any, ...]]]:
         params = {
             "queue": queue,
             "now": now,
-            "groups": [group for group, _ in wants],
-            "counts": [count for _, count in wants],
+            "groups": [group for group, _ in rooms],
+            "rooms": [room for _, room in rooms],
+            "default_room": default_room,
         }
-        return self.db.execute(_GROUP_HEADS, params).fetchall()
+        return self.db.execute(_GROUP_CANDIDATES, params).fetchall
 
     # -- connection handling
 
