@@ -536,6 +536,7 @@ def test_a_large_limited_count_is_made_again_once_a_while(
     most once every LIMITED_EVERY seconds: in between, the claim gives the last count."""
     every = 1.5  # (a little longer than the store's, so that a slow machine cannot pass it)
     monkeypatch.setattr(_sql, "LIMITED_EVERY", every)
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)  # (see the test below)
     limits: dict[str, Limit] = {"*": (1, None, 1.0)}
 
     def enqueue(count: int) -> None:
@@ -564,6 +565,26 @@ def test_a_large_limited_count_is_made_again_once_a_while(
     assert session.statistics("jobs")["limited"] == _sql.LIMITED_EXACT + 11
     time.sleep(every)
     assert run(session, Batch(claim=5, limits=limits)).limited == _sql.LIMITED_EXACT + 11
+
+
+@pytest.mark.parametrize("spacing", [0.0, 1e9])
+def test_a_slow_full_count_is_made_less_often(
+    backend: Backend, store: Any, session: Session, monkeypatch: pytest.MonkeyPatch, spacing: float
+) -> None:
+    """A full count is made again no sooner than LIMITED_SPACING times what the last took."""
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", spacing)
+    limits: dict[str, Limit] = {"*": (1, None, 1.0)}
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_many_in(connection, "jobs", range(_sql.LIMITED_EXACT + 1), group="busy")
+        connection.commit()
+    assert run(session, Batch(claim=5, limits=limits)).limited == _sql.LIMITED_EXACT
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_many_in(connection, "jobs", range(3), group="busy")
+        connection.commit()
+    # Every claim counts again without spacing; with a spacing of ages, none does.
+    again = run(session, Batch(claim=5, limits=limits)).limited
+    assert again == (_sql.LIMITED_EXACT + 3 if spacing == 0.0 else _sql.LIMITED_EXACT)
 
 
 # -- Migrations

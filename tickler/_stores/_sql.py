@@ -171,9 +171,6 @@ class Statements:
     """(queue, since): (group_name, started_at) of each start recorded after since."""
     prune_starts: str
     """(queue, before): delete the queue's starts recorded at or before that time."""
-    record_starts: str
-    """(queue, started_at, groups): record a start of each group of the list (one row per
-    entry, a group listed twice started twice)."""
     ready_groups: str
     """(queue, queue): every group that has a ready row, each once, found one at a time on
     the group index (never reading a group's rows beyond its first)."""
@@ -183,10 +180,6 @@ class Statements:
     expired_rows: str
     """(queue, now, owner, limit): (id, priority, run_at, group_name) of running rows whose
     lease lapsed before now, not owner's, not asked to cancel, the earliest lapsed first."""
-    claim_ids: str
-    """(owner, lease_until, ids, now, owner): claim the listed rows that are still ready,
-    or running with a lease lapsed before now (not owner's, not asked to cancel);
-    RETURNING them as Claimed, priority last."""
     limited_count: str
     """{queue, groups, now} (named): how many ready rows of the listed groups are due by now."""
     limited_upto: str
@@ -290,6 +283,21 @@ class Dialect(Protocol):
     def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
         """Ask for the first ``size`` ready rows of the queue due by now, in claim order,
         whatever their group: (id, priority, run_at, group_name) each; read by calling."""
+        ...
+
+    def claim_picked(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        picked: Sequence[tuple[int, str | None]],
+        rated: Sequence[str],
+    ) -> Callable[[], list[Claimed]]:
+        """Claim the rows of the ``picked`` ids (each with its group) that are still ready,
+        or running with a lease lapsed before now (not owner's, not asked to cancel), and
+        record a start at ``now`` for each row claimed whose group is ``rated``; the rows
+        claimed, as Dialect.claim gives them, are read by calling."""
         ...
 
     def group_candidates(
@@ -413,8 +421,13 @@ def _claim(
     write_limits(d, queue, limits)
     if not batch.claim:
         return None
-    rows, result.limited = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
-    return rows.copy
+    read = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
+
+    def rows() -> list[Claimed]:
+        claimed, result.limited = read()
+        return claimed
+
+    return rows
 
 
 def _read_finals(d: Dialect, watched: Sequence[int], result: BatchResult) -> None:
@@ -905,7 +918,7 @@ CHUNK_EXTRA = 64
 # session reports its last count in between.
 LIMITED_EXACT = 1000
 LIMITED_EVERY = 1.0
-LIMITED_SPACING = 25.0
+LIMITED_SPACING = 50.0
 
 
 @attrs.define
@@ -1053,10 +1066,11 @@ def _rooms(slots: _Slots, limit: int) -> tuple[list[tuple[str, int]], int]:
 
 def claim_limited(
     d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
-) -> tuple[list[Claimed], int]:
+) -> Callable[[], tuple[list[Claimed], int]]:
     """Claim up to ``limit`` rows as Dialect.claim does, but for the groups at their limit
-    (see Batch.limits); the rows claimed, and how many ready rows wait for their group's
-    limit after the claim (BatchResult.limited, see _limited).
+    (see Batch.limits); read by calling (as the claim's rows are read, see
+    Dialect.reads_after_commit): the rows claimed, and how many ready rows wait for their
+    group's limit after the claim (BatchResult.limited, see _limited).
 
     Every process's limited claims of the queue take turns (Dialect.lock_limited, which
     the batch took first); ``now`` is the batch's time, read once it holds its turn, so
@@ -1075,7 +1089,8 @@ def claim_limited(
     rate-limited group is recorded, and starts older than the longest window deleted.
 
     The statements are asked in as few round trips as their answers allow: a store that
-    pipelines them (PostgreSQL) waits for the server two to four times.
+    pipelines them (PostgreSQL) waits for the server once or twice before the claim, which
+    goes with the batch's commit.
     """
     x, sql = d.execute, d.statements
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
@@ -1105,7 +1120,7 @@ def claim_limited(
     ungrouped = [tuple(row) for row in ungrouped_cursor or ()]
     chunk = None if chunk_read is None else [tuple(row) for row in chunk_read()]
     if paused is not None and paused[0]:
-        return [], 0
+        return lambda: ([], 0)
 
     def walk(candidates: list[tuple[Any, ...]], slots: _Slots) -> list[tuple[int, str | None]]:
         candidates.sort(key=_claim_key)
@@ -1140,38 +1155,36 @@ def claim_limited(
         found = [tuple(row) for row in found_read()]
         memo.groups = len({row[3] for row in found})
         picked = walk(expired + ungrouped + [row for row in found if row[2] <= now], slots)
-    rows: list[Claimed] = []
-    limited: Callable[[], int] | None = None
-    if picked:
-        ids = [request_id for request_id, _ in picked]
-        claim_cursor = x(sql.claim_ids, (owner, now + lease, d.listed(ids), now, owner))
-        if chunk is None:  # (asked before the claim's rows are read: one round trip)
-            limited = _limited(d, queue, slots, {g for _, g in picked if g is not None})
-        rows = [tuple(row) for row in claim_cursor]
+    # Every due ready row was read (the first look did not fill up): the rows held back
+    # are counted from it; else they are asked for after the claim, with it.
+    whole = chunk is not None and len(chunk) < size
+    rated = sorted({g for _, g in picked if g is not None and slots.rated(g)})
+    claim_read = d.claim_picked(queue, owner, now + lease, now, picked, rated) if picked else None
+    also = {g for _, g in picked if g is not None}
+    limited = None if whole else _limited(d, queue, slots, also)
+
+    def read() -> tuple[list[Claimed], int]:
+        nonlocal slots, limited
+        rows: list[Claimed] = [] if claim_read is None else claim_read()
+        taken = {row[0] for row in rows}
         if len(rows) < len(picked):  # (a row cancelled in between)
-            taken = {row[0] for row in rows}
             slots = base.copy()
             for request_id, group in picked:
                 if request_id in taken and group is not None:
                     slots.take(group)
-            picked = [(i, g) for i, g in picked if i in taken]
             if limited is not None:
-                limited()  # (read, so that no statement is left with rows to give)
-                limited = None
-        started = [g for _, g in picked if g is not None and slots.rated(g)]
-        if started:
-            x(sql.record_starts, (queue, now, d.listed(started)))
-    if chunk is not None and len(chunk) < size:
-        # The first look read every due ready row: count its rows held back.
-        taken_ids = {request_id for request_id, _ in picked}
+                limited()  # (read: no statement is left with rows to give)
+                limited = _limited(d, queue, slots, also)
+        if limited is not None:
+            return rows, limited()
+        assert chunk is not None
         return rows, sum(
             1
             for request_id, _, _, group in chunk
-            if group is not None and request_id not in taken_ids and slots.room(group) == 0
+            if group is not None and request_id not in taken and slots.room(group) == 0
         )
-    if limited is None:
-        limited = _limited(d, queue, slots, {g for _, g in picked if g is not None})
-    return rows, limited()
+
+    return read
 
 
 def _blocked(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> list[str]:

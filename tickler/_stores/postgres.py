@@ -213,8 +213,6 @@ _STATEMENTS = Statements(
     starts_since="SELECT group_name, started_at FROM tickler_starts"
     " WHERE queue = %s AND started_at > %s",
     prune_starts="DELETE FROM tickler_starts WHERE queue = %s AND started_at <= %s",
-    record_starts="INSERT INTO tickler_starts (queue, group_name, started_at)"
-    " SELECT %s, g, %s FROM unnest(%s::text[]) AS g",
     ready_groups=f"""
 WITH RECURSIVE g(name) AS (
     (SELECT group_name FROM tickler_requests
@@ -233,11 +231,6 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     expired_rows="SELECT id, priority, run_at, group_name FROM tickler_requests"
     " WHERE queue = %s AND state = 'running' AND lease_until < %s"
     " AND owner <> %s AND NOT cancel_requested ORDER BY lease_until LIMIT %s",
-    claim_ids="UPDATE tickler_requests SET state = 'running', owner = %s, lease_until = %s,"  # noqa: S608 (constants only)
-    " attempts = attempts + 1, started_at = NULL"
-    f" WHERE id = ANY(%s::int8[]) AND ({_READY}"
-    " OR (state = 'running' AND lease_until < %s AND owner <> %s AND NOT cancel_requested))"
-    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
     # Group by group on tickler_groups, its entries alone (a count over the list may be
     # planned as a scan of the table).
     limited_count="SELECT coalesce(sum(c.n), 0) FROM unnest(%(groups)s::text[]) AS g(name)"  # noqa: S608 (constants only)
@@ -312,6 +305,24 @@ FROM want CROSS JOIN LATERAL (
     ORDER BY priority DESC, run_at, id LIMIT want.n
 ) AS more
 WHERE want.n > 1 OR (want.n = 1 AND want.run_at > %(now)s)
+"""  # noqa: S608 (constants only)
+
+# A limited claim's rows, by id, and a start recorded for each of a rated group: one
+# statement, whose answer may be read once the batch has committed.
+_CLAIM_PICKED = f"""
+WITH claimed AS (
+    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
+        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL
+    WHERE id = ANY(%(ids)s::int8[]) AND ({_READY}
+        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
+            AND NOT cancel_requested))
+    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name
+), started AS (
+    INSERT INTO tickler_starts (queue, group_name, started_at)
+    SELECT %(queue)s, group_name, %(now)s FROM claimed
+    WHERE group_name = ANY(%(rated)s::text[])
+)
+SELECT id, request, attempts, key, enqueued_at, run_at, priority FROM claimed
 """  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
@@ -991,6 +1002,25 @@ class PostgresSession:
     def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
         params = {"queue": queue, "now": now, "limit": size}
         return self.db.execute(_READY_CHUNK, params).fetchall
+
+    def claim_picked(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        picked: Sequence[tuple[int, str | None]],
+        rated: Sequence[str],
+    ) -> Callable[[], list[Claimed]]:
+        params = {
+            "queue": queue,
+            "owner": owner,
+            "lease_until": lease_until,
+            "now": now,
+            "ids": [request_id for request_id, _ in picked],
+            "rated": list(rated),
+        }
+        return self.db.execute(_CLAIM_PICKED, params).fetchall
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int

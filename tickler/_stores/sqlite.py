@@ -287,8 +287,6 @@ _STATEMENTS = Statements(
     starts_since="SELECT group_name, started_at FROM tickler_starts"
     " WHERE queue = ? AND started_at > ?",
     prune_starts="DELETE FROM tickler_starts WHERE queue = ? AND started_at <= ?",
-    record_starts="INSERT INTO tickler_starts (queue, group_name, started_at)"
-    " SELECT ?1, value, ?2 FROM json_each(?3)",
     ready_groups=f"""
 WITH RECURSIVE g(name) AS (
     SELECT min(group_name) FROM tickler_requests
@@ -305,11 +303,6 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     expired_rows="SELECT id, priority, run_at, group_name FROM tickler_requests"
     " WHERE queue = ? AND state = 'running' AND lease_until < ?"
     " AND owner <> ? AND NOT cancel_requested ORDER BY lease_until LIMIT ?",
-    claim_ids="UPDATE tickler_requests SET state = 'running', owner = ?1, lease_until = ?2,"  # noqa: S608 (constants only)
-    " attempts = attempts + 1, started_at = NULL"
-    f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
-    " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
-    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
     limited_count="SELECT count(*) FROM tickler_requests INDEXED BY tickler_groups"  # noqa: S608 (constants only)
     f" WHERE queue = :queue AND {_READY}"
     " AND group_name IN (SELECT value FROM json_each(:groups)) AND run_at <= :now",
@@ -320,6 +313,20 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     busiest_groups="SELECT group_name, sum(state = 'running'), sum(state <> 'running')"  # noqa: S608 (constants only)
     f" FROM tickler_requests WHERE queue = ? AND group_name IS NOT NULL AND {_LIVE_STATE}"
     " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT ?",
+)
+
+# A limited claim's rows by id (owner, lease_until, ids, now, owner), RETURNING them as
+# Claimed; then a start of each group of a list (a group listed twice started twice).
+_CLAIM_IDS = (
+    "UPDATE tickler_requests SET state = 'running', owner = ?1, lease_until = ?2,"  # noqa: S608 (constants only)
+    " attempts = attempts + 1, started_at = NULL"
+    f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
+    " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
+    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority"
+)
+_RECORD_STARTS = (
+    "INSERT INTO tickler_starts (queue, group_name, started_at)"
+    " SELECT ?1, value, ?2 FROM json_each(?3)"
 )
 
 # A limited claim's rows: of one priority, due by now, in claim order, with their group.
@@ -795,6 +802,25 @@ class SqliteSession:
             found.extend(x(_READY_AT_GROUPS, {**params, "limit": size - len(found)}).fetchall())
             priority = x(_NEXT_PRIORITY, (queue, priority)).fetchone()[0]
         return found.copy
+
+    def claim_picked(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        picked: Sequence[tuple[int, str | None]],
+        rated: Sequence[str],
+    ) -> Callable[[], list[Claimed]]:
+        x = self.db.execute
+        ids = json.dumps([request_id for request_id, _ in picked])
+        rows = [tuple(row) for row in x(_CLAIM_IDS, (owner, lease_until, ids, now, owner))]
+        taken = {row[0] for row in rows}
+        rated_set = set(rated)
+        started = [g for i, g in picked if i in taken and g is not None and g in rated_set]
+        if started:
+            x(_RECORD_STARTS, (queue, now, json.dumps(started)))
+        return rows.copy
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
