@@ -715,5 +715,7 @@ def notes(config: PgConfig) -> list[str]:
     ]
     if config.skipped:
         lines.append(f"PostgreSQL baselines skipped: {config.skipped}.")
+    if config.only:
+        lines.append(f"Run with --only {config.only}: the other PostgreSQL rows did not run.")
     lines += [f"PostgreSQL measurement failed: {failure}." for failure in config.failures]
     return lines

@@ -1082,11 +1082,13 @@ def claim_limited(
     enough unless groups at their limit hold as many rows in front. Or group by group:
     every group that has ready rows, found one index probe each with its first row, and
     for each with room its first rows, as many as it has room for; and the rows of no
-    group. No backlog of a blocked group is ever read past its first row. The claim looks
-    in claim order first, then group by group if that fell short; it looks group by group
-    at once when the session's last claim of the queue found no more groups than rows the
-    first look reads (then that look costs no less). The start of each claimed row of a
-    rate-limited group is recorded, and starts older than the longest window deleted.
+    group. The claim looks in claim order first, then group by group if that fell short;
+    it looks group by group at once when the session's last claim of the queue found no
+    more groups than rows the first look reads (then that look costs no less), and then,
+    where that reads few rows, asks for each group's first rows with the counts, as many
+    as its limits could ever let start at once, before its room is known. No backlog of a
+    blocked group is read past those rows. The start of each claimed row of a rate-limited
+    group is recorded, and starts older than the longest window deleted.
 
     The statements are asked in as few round trips as their answers allow: a store that
     pipelines them (PostgreSQL) waits for the server once or twice before the claim, which
