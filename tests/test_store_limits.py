@@ -356,8 +356,15 @@ def test_a_retry_counts_as_a_start(session: Session) -> None:
 
 @pytest.mark.parametrize("blocked_priority", [0, 5])
 def test_a_blocked_groups_backlog_holds_back_no_other_row(
-    backend: Backend, store: Any, session: Session, blocked_priority: int
+    backend: Backend,
+    store: Any,
+    session: Session,
+    blocked_priority: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Every claim counts the rows held back in full (see the tests of LIMITED_EVERY).
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)
     with backend.connect(autocommit=False) as connection:
         store.enqueue_many_in(
             connection, "jobs", range(5000), group="busy", priority=blocked_priority
@@ -453,11 +460,13 @@ def test_statistics_count_limited_rows_with_the_stored_limits(
 
 
 def test_every_claim_takes_exactly_what_the_limits_allow_whichever_way_it_looks(
-    backend: Backend, session: Session
+    backend: Backend, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Claims of one session, against a model of the rules computed from the rows: the claim
     looks in claim order, or group by group (after a look in claim order fell short, and
     then at once), and takes the same rows every way, and counts the rows held back."""
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)  # every claim counts in full
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)
     rng = random.Random(23)
     groups = [f"g{n}" for n in range(8)]
     limits: dict[str, Limit] = {"*": (2, None, 1.0), "g1": (1, 3, 60.0), "g2": (None, 2, 60.0)}

@@ -916,7 +916,7 @@ CHUNK_EXTRA = 64
 # again by each session at most once every LIMITED_EVERY seconds (of the store's clock),
 # and no sooner than LIMITED_SPACING times what its last such count took after it: the
 # session reports its last count in between.
-LIMITED_EXACT = 1000
+LIMITED_EXACT = 100
 LIMITED_EVERY = 1.0
 LIMITED_SPACING = 50.0
 
