@@ -1,6 +1,8 @@
 """tickler's PostgresStore next to pgqueuer and procrastinate, on one server, in one run.
 
     python -m bench --postgres-only    # these rows alone
+    python -m bench --postgres-only --only drain    # the drain rows alone
+    python -m bench --postgres-only --only tickler-drain    # tickler's two drains alone
 
 Each system runs in processes of its own (bench/pg_worker.py, started with
 ``sys.executable``) against the same server, in the benchmark's own database
@@ -107,6 +109,9 @@ class PgConfig:
     rounds: int = 1
     poll: float = 0.5
     timeout: float = 600.0
+    # "drain": the drain rows alone (no latency, no enqueue); "tickler-drain": tickler's
+    # ungrouped and grouped drains alone.
+    only: str = ""
     skipped: str = ""  # set by run(): why rows have no samples
     machine: str = ""  # set by run(): the server and the libraries measured
     failures: list[str] = field(default_factory=list)  # set by run(): what failed, and why
@@ -642,7 +647,7 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
             ),
         )
         sample(("pg_groups",), rate)
-        if len(systems) > 1:
+        if len(systems) > 1 and config.only != "tickler-drain":
             rate = attempt(
                 "drain, pgqueuer", partial(drain, bench_dsn, "pgqueuer", config, config.drain)
             )
@@ -659,6 +664,8 @@ def run(config: PgConfig, out: Callable[[str], object] = print) -> list[Row]:
                 partial(drain, bench_dsn, "procrastinate", config, config.counted),
             )
             sample(("pg_proc",), rate)
+        if config.only:
+            continue
         for block in range(config.blocks):
             turn = enqueuers[block % len(enqueuers) :] + enqueuers[: block % len(enqueuers)]
             for enqueuer in turn:
@@ -708,5 +715,7 @@ def notes(config: PgConfig) -> list[str]:
     ]
     if config.skipped:
         lines.append(f"PostgreSQL baselines skipped: {config.skipped}.")
+    if config.only:
+        lines.append(f"Run with --only {config.only}: the other PostgreSQL rows did not run.")
     lines += [f"PostgreSQL measurement failed: {failure}." for failure in config.failures]
     return lines

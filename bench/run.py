@@ -998,6 +998,12 @@ def main(argv: list[str] | None = None) -> None:
         "--postgres-rounds", type=int, help="rounds of the PostgreSQL rows (default 1)"
     )
     parser.add_argument(
+        "--only",
+        choices=("drain", "tickler-drain"),
+        help="with --postgres-only: only these PostgreSQL rows (drain: every system's drain,"
+        " no latency nor enqueue rows; tickler-drain: tickler's two drains alone)",
+    )
+    parser.add_argument(
         "--no-gc",
         action="store_true",
         help="disable the garbage collector for the whole run, to see what it costs",
@@ -1010,6 +1016,10 @@ def main(argv: list[str] | None = None) -> None:
         config.rounds = args.rounds
     if args.postgres_rounds is not None:
         config.postgres.rounds = args.postgres_rounds
+    if args.only is not None:
+        if not args.postgres_only:
+            parser.error("--only goes with --postgres-only")
+        config.postgres.only = args.only
     print(f"running the {'quick' if args.quick else 'full'} benchmark", file=sys.stderr)
 
     def out(line: str) -> None:

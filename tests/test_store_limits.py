@@ -10,6 +10,7 @@ two sessions on one store are two processes, racing in threads.
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 import tickler
+from tickler._stores import _sql
 from tickler._stores._seam import Batch, BatchResult, Session
 
 from .store_backends import FAST, Backend
@@ -354,8 +356,15 @@ def test_a_retry_counts_as_a_start(session: Session) -> None:
 
 @pytest.mark.parametrize("blocked_priority", [0, 5])
 def test_a_blocked_groups_backlog_holds_back_no_other_row(
-    backend: Backend, store: Any, session: Session, blocked_priority: int
+    backend: Backend,
+    store: Any,
+    session: Session,
+    blocked_priority: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Every claim counts the rows held back in full (see the tests of LIMITED_EVERY).
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)
     with backend.connect(autocommit=False) as connection:
         store.enqueue_many_in(
             connection, "jobs", range(5000), group="busy", priority=blocked_priority
@@ -448,6 +457,143 @@ def test_statistics_count_limited_rows_with_the_stored_limits(
         "a": [3, None, 1.0]
     }
     assert session.statistics("jobs")["limited"] == 0
+
+
+def test_every_claim_takes_exactly_what_the_limits_allow_whichever_way_it_looks(
+    backend: Backend, session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claims of one session, against a model of the rules computed from the rows: the claim
+    looks in claim order, or group by group (after a look in claim order fell short, and
+    then at once), and takes the same rows every way, and counts the rows held back."""
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)  # every claim counts in full
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)
+    rng = random.Random(23)
+    groups = [f"g{n}" for n in range(8)]
+    limits: dict[str, Limit] = {"*": (2, None, 1.0), "g1": (1, 3, 60.0), "g2": (None, 2, 60.0)}
+    inserts = [
+        entry(f"{n}".encode(), rng.choice([*groups, None]), priority=rng.choice([0, 0, 1]))
+        for n in range(400)
+    ]
+    run(session, Batch(inserts=inserts))
+
+    def expected(size: int) -> tuple[list[int], int]:
+        running: dict[str, int] = {}
+        for (group,) in query(
+            backend, "SELECT group_name FROM {tickler_requests} WHERE state = 'running'"
+        ):
+            if group is not None:
+                running[group] = running.get(group, 0) + 1
+        starts: dict[str, int] = {}
+        for (group,) in query(backend, "SELECT group_name FROM {tickler_starts}"):
+            starts[group] = starts.get(group, 0) + 1
+        ready = query(
+            backend,
+            "SELECT id, group_name FROM {tickler_requests} WHERE state = 'queued'"
+            " ORDER BY priority DESC, run_at, id",
+        )
+
+        def room(group: str) -> int:
+            concurrency, rate, _ = limits.get(group, limits["*"])
+            rooms = [] if concurrency is None else [concurrency - running.get(group, 0)]
+            rooms += [] if rate is None else [rate - starts.get(group, 0)]
+            return min(rooms)
+
+        picked: list[int] = []
+        for request_id, group in ready:
+            if len(picked) == size:
+                break
+            if group is not None:
+                if room(group) <= 0:
+                    continue
+                running[group] = running.get(group, 0) + 1
+                if limits.get(group, limits["*"])[1] is not None:
+                    starts[group] = starts.get(group, 0) + 1
+            picked.append(request_id)
+        held = sum(
+            1
+            for request_id, group in ready
+            if group is not None and request_id not in picked and room(group) <= 0
+        )
+        return picked, held
+
+    memo = session.limited_memo.setdefault("jobs", _sql.LimitedMemo())  # type: ignore[attr-defined]
+    known: list[int | None] = []  # how many groups the session knew of, before each claim
+    looks = 0
+    while looks < 60:
+        known.append(memo.groups)
+        size = rng.choice([1, 3, 5, 12])
+        want, held = expected(size)
+        result = run(session, Batch(claim=size, limits=limits))
+        assert [row[0] for row in result.claimed] == want, looks
+        assert result.limited == held, looks
+        running = query(backend, "SELECT id FROM {tickler_requests} WHERE state = 'running'")
+        done = [row[0] for row in running if rng.random() < 0.6]
+        outcomes = [("succeeded", request_id, (None, time.time())) for request_id in done]
+        if outcomes:
+            run(session, Batch(outcomes=outcomes))
+        looks += 1
+    # Both ways were taken: in claim order first, until that fell short and the claim
+    # looked group by group; then group by group at once, for the many looks after.
+    assert known[0] is None
+    assert sum(1 for count in known if count is not None) >= 30
+
+
+def test_a_large_limited_count_is_made_again_once_a_while(
+    backend: Backend, store: Any, session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to LIMITED_EXACT rows held back are counted at every claim; more than that, at
+    most once every LIMITED_EVERY seconds: in between, the claim gives the last count."""
+    every = 1.5  # (a little longer than the store's, so that a slow machine cannot pass it)
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", every)
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)  # (see the test below)
+    limits: dict[str, Limit] = {"*": (1, None, 1.0)}
+
+    def enqueue(count: int) -> None:
+        with backend.connect(autocommit=False) as connection:
+            store.enqueue_many_in(connection, "jobs", range(count), group="busy")
+            connection.commit()
+
+    enqueue(3)
+    assert run(session, Batch(claim=5, limits=limits)).limited == 2
+    enqueue(2)
+    assert run(session, Batch(claim=5, limits=limits)).limited == 4  # exact: few
+    enqueue(_sql.LIMITED_EXACT)
+    counted = run(session, Batch(claim=5, limits=limits))
+    assert counted.limited == _sql.LIMITED_EXACT + 4  # many, and the last count was few
+    started = time.monotonic()
+    enqueue(7)
+    again = run(session, Batch(claim=5, limits=limits))
+    assert time.monotonic() - started < every  # (else the test says nothing)
+    assert again.limited == _sql.LIMITED_EXACT + 4  # the last count, made less than `every` ago
+    # Another session counts for itself; statistics count in full at every call.
+    other = store.connect()
+    try:
+        assert other.statistics("jobs")["limited"] == _sql.LIMITED_EXACT + 11
+    finally:
+        other.close()
+    assert session.statistics("jobs")["limited"] == _sql.LIMITED_EXACT + 11
+    time.sleep(every)
+    assert run(session, Batch(claim=5, limits=limits)).limited == _sql.LIMITED_EXACT + 11
+
+
+@pytest.mark.parametrize("spacing", [0.0, 1e9])
+def test_a_slow_full_count_is_made_less_often(
+    backend: Backend, store: Any, session: Session, monkeypatch: pytest.MonkeyPatch, spacing: float
+) -> None:
+    """A full count is made again no sooner than LIMITED_SPACING times what the last took."""
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", spacing)
+    limits: dict[str, Limit] = {"*": (1, None, 1.0)}
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_many_in(connection, "jobs", range(_sql.LIMITED_EXACT + 1), group="busy")
+        connection.commit()
+    assert run(session, Batch(claim=5, limits=limits)).limited == _sql.LIMITED_EXACT
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_many_in(connection, "jobs", range(3), group="busy")
+        connection.commit()
+    # Every claim counts again without spacing; with a spacing of ages, none does.
+    again = run(session, Batch(claim=5, limits=limits)).limited
+    assert again == (_sql.LIMITED_EXACT + 3 if spacing == 0.0 else _sql.LIMITED_EXACT)
 
 
 # -- Migrations

@@ -171,9 +171,6 @@ class Statements:
     """(queue, since): (group_name, started_at) of each start recorded after since."""
     prune_starts: str
     """(queue, before): delete the queue's starts recorded at or before that time."""
-    record_starts: str
-    """(queue, started_at, groups): record a start of each group of the list (one row per
-    entry, a group listed twice started twice)."""
     ready_groups: str
     """(queue, queue): every group that has a ready row, each once, found one at a time on
     the group index (never reading a group's rows beyond its first)."""
@@ -183,12 +180,11 @@ class Statements:
     expired_rows: str
     """(queue, now, owner, limit): (id, priority, run_at, group_name) of running rows whose
     lease lapsed before now, not owner's, not asked to cancel, the earliest lapsed first."""
-    claim_ids: str
-    """(owner, lease_until, ids, now, owner): claim the listed rows that are still ready,
-    or running with a lease lapsed before now (not owner's, not asked to cancel);
-    RETURNING them as Claimed, priority last."""
     limited_count: str
     """{queue, groups, now} (named): how many ready rows of the listed groups are due by now."""
+    limited_upto: str
+    """{queue, groups, now, cap} (named): as limited_count, counting no further than cap
+    (the answer is then cap)."""
     busiest_groups: str
     """(queue, limit): (group_name, running, ready) of the queue's groups with live rows,
     the most running first, then the most ready, then by name."""
@@ -272,6 +268,8 @@ class Dialect(Protocol):
 
     limits_written: dict[str, str]
     """The limits (JSON text) this session last wrote for each queue."""
+    limited_memo: dict[str, LimitedMemo]
+    """What this session's limited claims of each queue remember (see LimitedMemo)."""
 
     def listed(self, values: Sequence[Any]) -> Any:
         """A list as one parameter of the statements that take a list."""
@@ -282,16 +280,34 @@ class Dialect(Protocol):
         ends. Taken first in a batch that makes one, before any row is written."""
         ...
 
-    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
-        """The first ``size`` ready rows of the queue due by now, in claim order, whatever
-        their group: (id, priority, run_at, group_name) each."""
+    def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
+        """Ask for the first ``size`` ready rows of the queue due by now, in claim order,
+        whatever their group: (id, priority, run_at, group_name) each; read by calling."""
         ...
 
-    def group_heads(
-        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
-    ) -> list[tuple[Any, ...]]:
-        """For each (group, n): the group's first n ready rows due by now, in claim order,
-        (id, priority, run_at, group_name) each."""
+    def claim_picked(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        picked: Sequence[tuple[int, str | None]],
+        rated: Sequence[str],
+    ) -> Callable[[], list[Claimed]]:
+        """Claim the rows of the ``picked`` ids (each with its group) that are still ready,
+        or running with a lease lapsed before now (not owner's, not asked to cancel), and
+        record a start at ``now`` for each row claimed whose group is ``rated``; the rows
+        claimed, as Dialect.claim gives them, are read by calling."""
+        ...
+
+    def group_candidates(
+        self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
+    ) -> Callable[[], list[tuple[Any, ...]]]:
+        """Ask, for every group that has ready rows, for its first due rows in claim
+        order, as many as its room (its entry of ``rooms``, else ``default_room``; none
+        for a room of 0), and for its first ready row (due or not) where that gives none
+        or is cheaper: each group is in the answer. (id, priority, run_at, group_name)
+        each, a row possibly twice. Read by calling."""
         ...
 
 
@@ -405,8 +421,13 @@ def _claim(
     write_limits(d, queue, limits)
     if not batch.claim:
         return None
-    rows, result.limited = claim_limited(d, queue, owner, lease, batch.claim, limits)
-    return rows.copy
+    read = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
+
+    def rows() -> list[Claimed]:
+        claimed, result.limited = read()
+        return claimed
+
+    return rows
 
 
 def _read_finals(d: Dialect, watched: Sequence[int], result: BatchResult) -> None:
@@ -891,6 +912,27 @@ Limits = Mapping[str, tuple[int | None, int | None, float]]
 # order, whatever their group: past that many rows of groups at their limit, the claim
 # looks group by group instead, so that it never reads a blocked group's backlog.
 CHUNK_EXTRA = 64
+# BatchResult.limited is counted exactly up to this many rows; a larger count is made
+# again by each session at most once every LIMITED_EVERY seconds (of the store's clock),
+# and no sooner than LIMITED_SPACING times what its last such count took after it: the
+# session reports its last count in between.
+LIMITED_EXACT = 100
+LIMITED_EVERY = 1.0
+LIMITED_SPACING = 50.0
+
+
+@attrs.define
+class LimitedMemo:
+    """What one session's limited claims of one queue remember from one to the next."""
+
+    groups: int | None = None
+    """How many groups had ready rows at the last claim that looked group by group."""
+    counted: int = 0
+    """The last full count of BatchResult.limited past LIMITED_EXACT."""
+    counted_at: float = -math.inf
+    """When it was made (the store's clock)."""
+    took: float = 0.0
+    """The seconds it took."""
 
 
 def normal_limits(limits: Limits) -> dict[str, tuple[int | None, int | None, float]]:
@@ -984,51 +1026,103 @@ def _window(limits: Limits) -> float:
     return max((per for _, rate, per in limits.values() if rate is not None), default=0.0)
 
 
-def _slots(d: Dialect, queue: str, limits: Limits, now: float) -> _Slots:
-    """Each group's running rows (unexpired leases) and starts within the longest window."""
+def _slots(d: Dialect, queue: str, limits: Limits, now: float) -> Callable[[], _Slots]:
+    """Ask for each group's running rows (unexpired leases) and starts within the longest
+    window; read by calling."""
     x, sql = d.execute, d.statements
-    running = {group: int(n) for group, n in x(sql.running_groups, (queue, now))}
-    starts: dict[str, list[float]] = {}
+    running_cursor = x(sql.running_groups, (queue, now))
     window = _window(limits)
-    if window > 0:
-        for group, started_at in x(sql.starts_since, (queue, now - window)):
+    starts_cursor = x(sql.starts_since, (queue, now - window)) if window > 0 else None
+
+    def read() -> _Slots:
+        running = {group: int(n) for group, n in running_cursor}
+        starts: dict[str, list[float]] = {}
+        for group, started_at in starts_cursor or ():
             starts.setdefault(group, []).append(float(started_at))
-    return _Slots(limits, now, running, starts)
+        return _Slots(limits, now, running, starts)
+
+    return read
 
 
 def _claim_key(row: tuple[Any, ...]) -> tuple[int, float, int]:
     return -row[1], row[2], row[0]
 
 
+def _rooms(slots: _Slots, limit: int) -> tuple[list[tuple[str, int]], int]:
+    """How many rows of each group a claim of ``limit`` may take: of each group that runs,
+    started or is named in the limits, and of every other group."""
+    groups = set(slots.running) | set(slots.starts)
+    groups.update(group for group in slots.limits if group != "*")
+    rooms = []
+    for group in sorted(groups):
+        room = slots.room(group)
+        rooms.append((group, limit if room is None else min(room, limit)))
+    bounds = [limit]
+    default = slots.limits.get("*")
+    if default is not None:
+        bounds += [bound for bound in default[:2] if bound is not None]
+    return rooms, max(0, min(bounds))
+
+
 def claim_limited(
-    d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits
-) -> tuple[list[Claimed], int]:
+    d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
+) -> Callable[[], tuple[list[Claimed], int]]:
     """Claim up to ``limit`` rows as Dialect.claim does, but for the groups at their limit
-    (see Batch.limits); the rows claimed, and how many ready rows wait for their group's
-    limit after the claim (BatchResult.limited).
+    (see Batch.limits); read by calling (as the claim's rows are read, see
+    Dialect.reads_after_commit): the rows claimed, and how many ready rows wait for their
+    group's limit after the claim (BatchResult.limited, see _limited).
 
     Every process's limited claims of the queue take turns (Dialect.lock_limited, which
-    the batch took first); the claim's time is read again once it runs. The
-    claim counts each group's running rows whose lease has not run out and its recorded
-    starts within its window, then walks the candidates in claim order, skipping a row
-    whose group has no room left. It first reads the first ``limit`` + CHUNK_EXTRA ready
-    rows in claim order (with the lapsed leases): enough unless groups at their limit
-    hold as many rows in front. Then it reads group by group instead: the groups that
-    have ready rows, found one index probe each, and for each with room, its first rows,
-    as many as it has room for; and the rows of no group. No backlog of a blocked group
-    is ever read past its first row. The start of each claimed row of a rate-limited group
-    is recorded, and starts older than the longest window deleted.
+    the batch took first); ``now`` is the batch's time, read once it holds its turn, so
+    that each claim of the queue runs at a time past the starts its turn's predecessors
+    recorded. The claim counts each group's running rows whose lease has not run out and
+    its recorded starts within its window, then walks the candidates in claim order,
+    skipping a row whose group has no room left. The candidates come one of two ways. In
+    claim order: the first ``limit`` + CHUNK_EXTRA ready rows (with the lapsed leases),
+    enough unless groups at their limit hold as many rows in front. Or group by group:
+    every group that has ready rows, found one index probe each with its first row, and
+    for each with room its first rows, as many as it has room for; and the rows of no
+    group. The claim looks in claim order first, then group by group if that fell short;
+    it looks group by group at once when the session's last claim of the queue found no
+    more groups than rows the first look reads (then that look costs no less), and then,
+    where that reads few rows, asks for each group's first rows with the counts, as many
+    as its limits could ever let start at once, before its room is known. No backlog of a
+    blocked group is read past those rows. The start of each claimed row of a rate-limited
+    group is recorded, and starts older than the longest window deleted.
+
+    The statements are asked in as few round trips as their answers allow: a store that
+    pipelines them (PostgreSQL) waits for the server once or twice before the claim, which
+    goes with the batch's commit.
     """
     x, sql = d.execute, d.statements
-    now = d.now()[0]
-    paused = x(sql.paused, (queue,)).fetchone()
-    if paused is not None and paused[0]:
-        return [], 0
+    memo = d.limited_memo.setdefault(queue, LimitedMemo())
     window = _window(limits)
     if window > 0:
         x(sql.prune_starts, (queue, now - window))
-    base = _slots(d, queue, limits, now)
-    expired = [tuple(row) for row in x(sql.expired_rows, (queue, now, owner, limit))]
+    size = limit + CHUNK_EXTRA
+    by_groups = memo.groups is not None and memo.groups <= size
+    # The most rows of each group the claim could take, whatever runs: where that reads
+    # few rows, the groups' rows are asked for with the rest, before their rooms are known.
+    most, most_default = _rooms(_Slots(limits, now, {}, {}), limit)
+    early = (
+        by_groups
+        and memo.groups is not None
+        and memo.groups * most_default + sum(room for _, room in most) <= 2 * size
+    )
+    # Asked all at once, before any answer is read (one round trip where pipelined).
+    paused_cursor = x(sql.paused, (queue,))
+    slots_read = _slots(d, queue, limits, now)
+    expired_cursor = x(sql.expired_rows, (queue, now, owner, limit))
+    ungrouped_cursor = x(sql.ungrouped_ready, (queue, now, limit)) if by_groups else None
+    chunk_read = None if by_groups else d.ready_chunk(queue, now, size)
+    found_read = d.group_candidates(queue, now, most, most_default) if early else None
+    paused = paused_cursor.fetchone()
+    base = slots_read()
+    expired = [tuple(row) for row in expired_cursor]
+    ungrouped = [tuple(row) for row in ungrouped_cursor or ()]
+    chunk = None if chunk_read is None else [tuple(row) for row in chunk_read()]
+    if paused is not None and paused[0]:
+        return lambda: ([], 0)
 
     def walk(candidates: list[tuple[Any, ...]], slots: _Slots) -> list[tuple[int, str | None]]:
         candidates.sort(key=_claim_key)
@@ -1048,64 +1142,107 @@ def claim_limited(
             picked.append((request_id, group))
         return picked
 
-    size = limit + CHUNK_EXTRA
-    chunk = [tuple(row) for row in d.ready_chunk(queue, now, size)]
+    picked: list[tuple[int, str | None]] = []
     slots = base.copy()
-    picked = walk(expired + chunk, slots)
-    if len(picked) < limit and len(chunk) >= size:
-        # Groups at their limit fill the first rows: look group by group.
-        slots = base.copy()
-        wants: list[tuple[str, int]] = []
-        for (group,) in x(sql.ready_groups, (queue, queue)):
-            room = slots.room(group)
-            if room is None or room > 0:
-                wants.append((group, limit if room is None else min(room, limit)))
-        candidates = [tuple(row) for row in x(sql.ungrouped_ready, (queue, now, limit))]
-        if wants:
-            candidates += [tuple(row) for row in d.group_heads(queue, now, wants)]
-        picked = walk(expired + candidates, slots)
-    rows: list[Claimed] = []
-    if picked:
-        ids = [request_id for request_id, _ in picked]
-        rows = [
-            tuple(row) for row in x(sql.claim_ids, (owner, now + lease, d.listed(ids), now, owner))
-        ]
+    if chunk is not None:
+        picked = walk(expired + chunk, slots)
+        if len(picked) < limit and len(chunk) >= size:
+            # Groups at their limit fill the first rows: look group by group.
+            by_groups, chunk, slots = True, None, base.copy()
+            ungrouped = [tuple(row) for row in x(sql.ungrouped_ready, (queue, now, limit))]
+    if by_groups:
+        if found_read is None:
+            rooms, default_room = _rooms(slots, limit)
+            found_read = d.group_candidates(queue, now, rooms, default_room)
+        found = [tuple(row) for row in found_read()]
+        memo.groups = len({row[3] for row in found})
+        picked = walk(expired + ungrouped + [row for row in found if row[2] <= now], slots)
+    # Every due ready row was read (the first look did not fill up): the rows held back
+    # are counted from it; else they are asked for after the claim, with it.
+    whole = chunk is not None and len(chunk) < size
+    rated = sorted({g for _, g in picked if g is not None and slots.rated(g)})
+    claim_read = d.claim_picked(queue, owner, now + lease, now, picked, rated) if picked else None
+    also = {g for _, g in picked if g is not None}
+    limited = None if whole else _limited(d, queue, slots, also)
+
+    def read() -> tuple[list[Claimed], int]:
+        nonlocal slots, limited
+        rows: list[Claimed] = [] if claim_read is None else claim_read()
+        taken = {row[0] for row in rows}
         if len(rows) < len(picked):  # (a row cancelled in between)
-            taken = {row[0] for row in rows}
             slots = base.copy()
             for request_id, group in picked:
                 if request_id in taken and group is not None:
                     slots.take(group)
-            picked = [(i, g) for i, g in picked if i in taken]
-        started = [g for _, g in picked if g is not None and slots.rated(g)]
-        if started:
-            x(sql.record_starts, (queue, now, d.listed(started)))
-    return rows, _limited(d, queue, slots, {g for _, g in picked if g is not None})
+            if limited is not None:
+                limited()  # (read: no statement is left with rows to give)
+                limited = _limited(d, queue, slots, also)
+        if limited is not None:
+            return rows, limited()
+        assert chunk is not None
+        return rows, sum(
+            1
+            for request_id, _, _, group in chunk
+            if group is not None and request_id not in taken and slots.room(group) == 0
+        )
+
+    return read
 
 
-def _limited(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> int:
-    """How many due ready rows wait only for their group's limit, as ``slots`` has them."""
-    x, sql = d.execute, d.statements
+def _blocked(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> list[str]:
+    """The groups at their limit, as ``slots`` has them, of those that run, started, are
+    named in the limits or ``also``, or have ready rows (if the default blocks every group)."""
     groups = set(slots.running) | set(slots.starts) | also
     groups.update(group for group in slots.limits if group != "*")
     default = slots.limits.get("*")
     if default is not None and (default[0] == 0 or default[1] == 0):
         # Every group not named is blocked, with rows or not: ask which have rows.
-        groups.update(group for (group,) in x(sql.ready_groups, (queue, queue)))
-    blocked = sorted(group for group in groups if slots.room(group) == 0)
+        groups.update(group for (group,) in d.execute(d.statements.ready_groups, (queue, queue)))
+    return sorted(group for group in groups if slots.room(group) == 0)
+
+
+def _limited(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> Callable[[], int]:
+    """Ask how many due ready rows wait only for their group's limit, as ``slots`` has
+    them; read by calling.
+
+    Counted exactly up to LIMITED_EXACT rows; past that many, the session counts them all
+    at most once every LIMITED_EVERY seconds (and LIMITED_SPACING times what its last
+    count took), and gives its last such count in between.
+    """
+    x, sql = d.execute, d.statements
+    blocked = _blocked(d, queue, slots, also)
     if not blocked:
-        return 0
+        return lambda: 0
     params = {"queue": queue, "groups": d.listed(blocked), "now": slots.now}
-    (count,) = x(sql.limited_count, params).fetchone()
-    return int(count)
+    upto = x(sql.limited_upto, {**params, "cap": LIMITED_EXACT})
+
+    def read() -> int:
+        (count,) = upto.fetchone()
+        if count < LIMITED_EXACT:
+            return int(count)
+        memo = d.limited_memo.setdefault(queue, LimitedMemo())
+        spacing = max(LIMITED_EVERY, LIMITED_SPACING * memo.took)
+        if memo.counted < LIMITED_EXACT or slots.now - memo.counted_at >= spacing:
+            started = time.perf_counter()
+            (count,) = x(sql.limited_count, params).fetchone()
+            memo.took = time.perf_counter() - started
+            memo.counted, memo.counted_at = int(count), slots.now
+        return memo.counted
+
+    return read
 
 
 def limited_now(d: Dialect, queue: str) -> int:
     """BatchResult.limited as of now, with the limits the queue's last batch stored (0 if
-    none)."""
+    none), counted in full."""
     row = d.execute(d.statements.limits_of, (queue,)).fetchone()
     limits = parse_limits(row[0]) if row is not None else None
     if not limits:
         return 0
     now = d.now()[0]
-    return _limited(d, queue, _slots(d, queue, limits, now), set())
+    blocked = _blocked(d, queue, _slots(d, queue, limits, now)(), set())
+    if not blocked:
+        return 0
+    params = {"queue": queue, "groups": d.listed(blocked), "now": now}
+    (count,) = d.execute(d.statements.limited_count, params).fetchone()
+    return int(count)

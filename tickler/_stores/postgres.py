@@ -26,6 +26,7 @@ from ._sql import (
     ROW_COLUMNS,
     SETS,
     Enqueue,
+    LimitedMemo,
     QueueReport,
     Statements,
     cancel,
@@ -212,8 +213,6 @@ _STATEMENTS = Statements(
     starts_since="SELECT group_name, started_at FROM tickler_starts"
     " WHERE queue = %s AND started_at > %s",
     prune_starts="DELETE FROM tickler_starts WHERE queue = %s AND started_at <= %s",
-    record_starts="INSERT INTO tickler_starts (queue, group_name, started_at)"
-    " SELECT %s, g, %s FROM unnest(%s::text[]) AS g",
     ready_groups=f"""
 WITH RECURSIVE g(name) AS (
     (SELECT group_name FROM tickler_requests
@@ -232,16 +231,16 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     expired_rows="SELECT id, priority, run_at, group_name FROM tickler_requests"
     " WHERE queue = %s AND state = 'running' AND lease_until < %s"
     " AND owner <> %s AND NOT cancel_requested ORDER BY lease_until LIMIT %s",
-    claim_ids="UPDATE tickler_requests SET state = 'running', owner = %s, lease_until = %s,"  # noqa: S608 (constants only)
-    " attempts = attempts + 1, started_at = NULL"
-    f" WHERE id = ANY(%s::int8[]) AND ({_READY}"
-    " OR (state = 'running' AND lease_until < %s AND owner <> %s AND NOT cancel_requested))"
-    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
     # Group by group on tickler_groups, its entries alone (a count over the list may be
     # planned as a scan of the table).
     limited_count="SELECT coalesce(sum(c.n), 0) FROM unnest(%(groups)s::text[]) AS g(name)"  # noqa: S608 (constants only)
     " CROSS JOIN LATERAL (SELECT count(*) AS n FROM tickler_requests"
     f" WHERE queue = %(queue)s AND {_READY} AND group_name = g.name AND run_at <= %(now)s) AS c",
+    # The same, each group's count and the whole stopped at cap.
+    limited_upto="SELECT count(*) FROM (SELECT 1 FROM unnest(%(groups)s::text[]) AS g(name)"  # noqa: S608 (constants only)
+    " CROSS JOIN LATERAL (SELECT 1 FROM tickler_requests"
+    f" WHERE queue = %(queue)s AND {_READY} AND group_name = g.name AND run_at <= %(now)s"
+    " LIMIT %(cap)s) AS c LIMIT %(cap)s) AS upto",
     busiest_groups="SELECT group_name, count(*) FILTER (WHERE state = 'running'),"  # noqa: S608 (constants only)
     " count(*) FILTER (WHERE state <> 'running')"
     f" FROM tickler_requests WHERE queue = %s AND group_name IS NOT NULL AND {_LIVE_STATE}"
@@ -275,16 +274,55 @@ SELECT id, priority, due, group_name FROM (
 ORDER BY priority DESC, due, id LIMIT %(limit)s
 """  # noqa: S608 (constants only)
 
-# The first rows of each group asked for, as many as asked, on tickler_groups.
-_GROUP_HEADS = f"""
-SELECT head.id, head.priority, head.run_at, head.group_name
-FROM unnest(%(groups)s::text[], %(counts)s::int8[]) AS want(name, n)
-CROSS JOIN LATERAL (
+# Every group that has ready rows, found one at a time on tickler_groups, each with its first
+# ready row in claim order (a loose index scan: each probe finds the next group and its first
+# row at once); then, for each group whose room (its entry of the rooms given, else the
+# default room) is more than one, or whose first row is not due, its first due rows, as many
+# as its room. A group at its limit costs one probe.
+_GROUP_CANDIDATES = f"""
+WITH RECURSIVE head AS (
+    (SELECT id, priority, run_at, group_name FROM tickler_requests
+     WHERE queue = %(queue)s AND {_READY} AND group_name IS NOT NULL
+     ORDER BY group_name, priority DESC, run_at, id LIMIT 1)
+    UNION ALL
+    SELECT next.* FROM head CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND group_name > head.group_name
+        ORDER BY group_name, priority DESC, run_at, id LIMIT 1
+    ) AS next
+), want AS (
+    SELECT head.*, coalesce(room.n, %(default_room)s::int8) AS n
+    FROM head LEFT JOIN unnest(%(groups)s::text[], %(rooms)s::int8[]) AS room(name, n)
+        ON room.name = head.group_name
+)
+SELECT id, priority, run_at, group_name FROM want
+UNION ALL
+SELECT more.id, more.priority, more.run_at, more.group_name
+FROM want CROSS JOIN LATERAL (
     SELECT id, priority, run_at, group_name FROM tickler_requests
-    WHERE queue = %(queue)s AND {_READY} AND group_name = want.name
+    WHERE queue = %(queue)s AND {_READY} AND group_name = want.group_name
         AND run_at <= %(now)s
     ORDER BY priority DESC, run_at, id LIMIT want.n
-) AS head
+) AS more
+WHERE want.n > 1 OR (want.n = 1 AND want.run_at > %(now)s)
+"""  # noqa: S608 (constants only)
+
+# A limited claim's rows, by id, and a start recorded for each of a rated group: one
+# statement, whose answer may be read once the batch has committed.
+_CLAIM_PICKED = f"""
+WITH claimed AS (
+    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
+        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL
+    WHERE id = ANY(%(ids)s::int8[]) AND ({_READY}
+        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
+            AND NOT cancel_requested))
+    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name
+), started AS (
+    INSERT INTO tickler_starts (queue, group_name, started_at)
+    SELECT %(queue)s, group_name, %(now)s FROM claimed
+    WHERE group_name = ANY(%(rated)s::text[])
+)
+SELECT id, request, attempts, key, enqueued_at, run_at, priority FROM claimed
 """  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
@@ -763,6 +801,7 @@ class PostgresSession:
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         self.limits_written: dict[str, str] = {}
+        self.limited_memo: dict[str, LimitedMemo] = {}
         self.db = self._open()
         self._pipeline: psycopg.Pipeline | None = None
 
@@ -960,20 +999,40 @@ class PostgresSession:
         key = f"tickler:{self.store.schema}:limits:{queue}"
         self.db.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
 
-    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
+    def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
         params = {"queue": queue, "now": now, "limit": size}
-        return self.db.execute(_READY_CHUNK, params).fetchall()
+        return self.db.execute(_READY_CHUNK, params).fetchall
 
-    def group_heads(
-        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
-    ) -> list[tuple[Any, ...]]:
+    def claim_picked(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        picked: Sequence[tuple[int, str | None]],
+        rated: Sequence[str],
+    ) -> Callable[[], list[Claimed]]:
+        params = {
+            "queue": queue,
+            "owner": owner,
+            "lease_until": lease_until,
+            "now": now,
+            "ids": [request_id for request_id, _ in picked],
+            "rated": list(rated),
+        }
+        return self.db.execute(_CLAIM_PICKED, params).fetchall
+
+    def group_candidates(
+        self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
+    ) -> Callable[[], list[tuple[Any, ...]]]:
         params = {
             "queue": queue,
             "now": now,
-            "groups": [group for group, _ in wants],
-            "counts": [count for _, count in wants],
+            "groups": [group for group, _ in rooms],
+            "rooms": [room for _, room in rooms],
+            "default_room": default_room,
         }
-        return self.db.execute(_GROUP_HEADS, params).fetchall()
+        return self.db.execute(_GROUP_CANDIDATES, params).fetchall
 
     # -- connection handling
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sqlite3
 import time
@@ -25,6 +26,7 @@ from ._sql import (
     ROW_COLUMNS,
     SETS,
     Enqueue,
+    LimitedMemo,
     QueueReport,
     Statements,
     cancel,
@@ -285,8 +287,6 @@ _STATEMENTS = Statements(
     starts_since="SELECT group_name, started_at FROM tickler_starts"
     " WHERE queue = ? AND started_at > ?",
     prune_starts="DELETE FROM tickler_starts WHERE queue = ? AND started_at <= ?",
-    record_starts="INSERT INTO tickler_starts (queue, group_name, started_at)"
-    " SELECT ?1, value, ?2 FROM json_each(?3)",
     ready_groups=f"""
 WITH RECURSIVE g(name) AS (
     SELECT min(group_name) FROM tickler_requests
@@ -303,17 +303,30 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     expired_rows="SELECT id, priority, run_at, group_name FROM tickler_requests"
     " WHERE queue = ? AND state = 'running' AND lease_until < ?"
     " AND owner <> ? AND NOT cancel_requested ORDER BY lease_until LIMIT ?",
-    claim_ids="UPDATE tickler_requests SET state = 'running', owner = ?1, lease_until = ?2,"  # noqa: S608 (constants only)
-    " attempts = attempts + 1, started_at = NULL"
-    f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
-    " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
-    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority",
     limited_count="SELECT count(*) FROM tickler_requests INDEXED BY tickler_groups"  # noqa: S608 (constants only)
     f" WHERE queue = :queue AND {_READY}"
     " AND group_name IN (SELECT value FROM json_each(:groups)) AND run_at <= :now",
+    limited_upto="SELECT count(*) FROM (SELECT 1 FROM tickler_requests INDEXED BY tickler_groups"  # noqa: S608 (constants only)
+    f" WHERE queue = :queue AND {_READY}"
+    " AND group_name IN (SELECT value FROM json_each(:groups)) AND run_at <= :now"
+    " LIMIT :cap)",
     busiest_groups="SELECT group_name, sum(state = 'running'), sum(state <> 'running')"  # noqa: S608 (constants only)
     f" FROM tickler_requests WHERE queue = ? AND group_name IS NOT NULL AND {_LIVE_STATE}"
     " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT ?",
+)
+
+# A limited claim's rows by id (owner, lease_until, ids, now, owner), RETURNING them as
+# Claimed; then a start of each group of a list (a group listed twice started twice).
+_CLAIM_IDS = (
+    "UPDATE tickler_requests SET state = 'running', owner = ?1, lease_until = ?2,"  # noqa: S608 (constants only)
+    " attempts = attempts + 1, started_at = NULL"
+    f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
+    " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
+    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority"
+)
+_RECORD_STARTS = (
+    "INSERT INTO tickler_starts (queue, group_name, started_at)"
+    " SELECT ?1, value, ?2 FROM json_each(?3)"
 )
 
 # A limited claim's rows: of one priority, due by now, in claim order, with their group.
@@ -618,6 +631,7 @@ class SqliteSession:
 
     def __init__(self, store: SqliteStore) -> None:
         self.limits_written: dict[str, str] = {}
+        self.limited_memo: dict[str, LimitedMemo] = {}
         path = store.path
         if path.is_dir():
             raise StoreError(f"{path} is a directory, not a SQLite database")
@@ -778,7 +792,7 @@ class SqliteSession:
     def lock_limited(self, queue: str) -> None:
         """Nothing to do: the batch holds the file's write lock (BEGIN IMMEDIATE)."""
 
-    def ready_chunk(self, queue: str, now: float, size: int) -> list[tuple[Any, ...]]:
+    def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
         """Priority by priority, the highest first, as the claim reads them."""
         x = self.db.execute
         found: list[tuple[Any, ...]] = []
@@ -787,16 +801,43 @@ class SqliteSession:
             params = {"queue": queue, "priority": priority, "now": now}
             found.extend(x(_READY_AT_GROUPS, {**params, "limit": size - len(found)}).fetchall())
             priority = x(_NEXT_PRIORITY, (queue, priority)).fetchone()[0]
-        return found
+        return found.copy
 
-    def group_heads(
-        self, queue: str, now: float, wants: Sequence[tuple[str, int]]
-    ) -> list[tuple[Any, ...]]:
-        """One statement per group: in the process, each costs an index probe."""
+    def claim_picked(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        picked: Sequence[tuple[int, str | None]],
+        rated: Sequence[str],
+    ) -> Callable[[], list[Claimed]]:
+        x = self.db.execute
+        ids = json.dumps([request_id for request_id, _ in picked])
+        rows = [tuple(row) for row in x(_CLAIM_IDS, (owner, lease_until, ids, now, owner))]
+        taken = {row[0] for row in rows}
+        rated_set = set(rated)
+        started = [g for i, g in picked if i in taken and g is not None and g in rated_set]
+        if started:
+            x(_RECORD_STARTS, (queue, now, json.dumps(started)))
+        return rows.copy
+
+    def group_candidates(
+        self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
+    ) -> Callable[[], list[tuple[Any, ...]]]:
+        """The groups one probe each, then a statement or two per group: in the process,
+        each costs an index probe. (A group whose due rows are read needs no first row: the
+        claim reads the first rows only to count the groups, and walks the due ones.)"""
+        x = self.db.execute
+        room_of = dict(rooms)
         found: list[tuple[Any, ...]] = []
-        for group, count in wants:
-            found.extend(self.db.execute(_GROUP_HEAD, (queue, group, now, count)).fetchall())
-        return found
+        for (group,) in x(_STATEMENTS.ready_groups, (queue, queue)).fetchall():
+            room = room_of.get(group, default_room)
+            due = x(_GROUP_HEAD, (queue, group, now, room)).fetchall() if room > 0 else []
+            if not due:
+                found.extend(x(_GROUP_HEAD, (queue, group, math.inf, 1)).fetchall())
+            found.extend(due)
+        return found.copy
 
 
 def _check_schema(db: sqlite3.Connection, path: Path) -> None:
