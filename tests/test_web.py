@@ -1,0 +1,478 @@
+"""tickler.web in a real browser: headless Chromium through Playwright, on a real server.
+
+Each store (a SQLite file, a PostgreSQL schema) is filled by a real service in a
+process of its own, which then keeps running the queue beside a second one. The
+dashboard is served by Hypercorn on a free port, in a thread of the test, and a
+person's clicks are played: the overview, a failed request and its traceback,
+retry, cancel, pause and resume, the bulk actions, read-only mode, escaping.
+
+Screenshots of every page are saved under TICKLER_ARTIFACTS (a directory) if set,
+else under the test's tmp_path. This file is also the services' script:
+``python -m tests.test_web worker ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import queue as queues
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import pytest
+import trio
+
+import tickler
+import tickler.web
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Dialog, Page
+
+ROOT = Path(__file__).parent.parent
+CHROMIUM = "/usr/bin/chromium"
+QUEUE = "mail"
+POLL = 0.1
+SCRIPT = "<script>document.title='pwned';alert('pwned')</script>"
+
+
+class Flaky(Exception):
+    """Retried (after an hour): leaves its request RETRYING."""
+
+
+# -- the services' side: python -m tests.test_web worker KIND TARGET SCHEMA FLAG [--fill] --
+
+
+def make_store(kind: str, target: str, schema: str) -> tickler.SqliteStore | tickler.PostgresStore:
+    if kind == "sqlite":
+        return tickler.SqliteStore(target, poll_interval=POLL, lease=6)
+    return tickler.PostgresStore(target, schema=schema, poll_interval=POLL, lease=6)
+
+
+async def handle(flag: Path, request: dict[str, Any]) -> object:
+    """What each request does, by its "do": succeed, fail until ``flag`` exists, stay
+    retrying, or run until cancelled."""
+    do = request["do"]
+    if do == "fail":
+        if not flag.exists():
+            raise ValueError(f"the mail server refused {request['to']!r}")
+        return "delivered on retry"
+    if do == "flaky":
+        raise Flaky("try again later")
+    if do == "sleep":
+        await trio.sleep_forever()
+    await trio.sleep(0.01)
+    return {"sent": request.get("to")}
+
+
+# Every request of the fill, by its key: (request, enqueue options, its state once filled).
+FILL: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    "order-7": ({"do": "ok", "to": "ada@example.com"}, {"priority": 5, "group": "eu"}, "succeeded"),
+    "order-8": ({"do": "ok", "to": "grace@example.com"}, {}, "succeeded"),
+    "script": ({"do": "ok", "to": SCRIPT}, {}, "succeeded"),
+    "refused": ({"do": "fail", "to": "nobody@example.com"}, {}, "failed"),
+    "flaky": ({"do": "flaky"}, {}, "retrying"),
+    "later": ({"do": "ok", "to": "later@example.com"}, {"delay": 3600}, "scheduled"),
+    "cancel-me": ({"do": "ok", "to": "gone@example.com"}, {"delay": 3600}, "cancelled"),
+    "long": ({"do": "sleep"}, {}, "running"),
+}
+EXPECTED_COUNTS = {
+    "queued": 0,
+    "scheduled": 1,
+    "claimed": 0,
+    "running": 1,
+    "retrying": 1,
+    "succeeded": 3,
+    "failed": 1,
+    "cancelled": 1,
+}
+
+
+async def fill(service: tickler.Service[Any, Any], admin: Any) -> None:
+    for key, (request, options, _) in FILL.items():
+        service.enqueue_request(request, key=key, **options)
+    await service.cancel("cancel-me")
+    with trio.fail_after(20):
+        while True:
+            states = {key: await admin.lookup(QUEUE, key) for key in FILL}
+            if all(
+                found is not None
+                and found.state == FILL[key][2]
+                and (found.state != "running" or found.started_at is not None)
+                for key, found in states.items()
+            ):
+                return
+            await trio.sleep(POLL)
+
+
+async def work(kind: str, target: str, schema: str, flag: str, filling: bool) -> None:
+    store = make_store(kind, target, schema)
+    retry = tickler.Retry(attempts=3, initial=3600, jitter=False, on=(Flaky,))
+    async with tickler.open_service(
+        functools.partial(handle, Path(flag)), store=store, name=QUEUE, capacity=4, retry=retry
+    ) as service:
+        if filling:
+            admin = store.admin()
+            await fill(service, admin)
+            await admin.aclose()
+        print("ready", flush=True)
+        await trio.sleep_forever()
+
+
+# -- the test's side ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class Target:
+    """A store, as the workers open it (kind, target, schema) and as the dashboard does."""
+
+    kind: str
+    target: str
+    schema: str
+    dashboard_store: tickler.SqliteStore | tickler.PostgresStore
+    secret: str | None = None
+    """A password in the dashboard's DSN, which no page or log line may show."""
+
+
+@contextlib.contextmanager
+def workers(target: Target, flag: Path, count: int) -> Iterator[list[subprocess.Popen[str]]]:
+    """``count`` service processes on the queue; the first fills it. Killed at the end."""
+    started = []
+    try:
+        for number in range(count):
+            command = [sys.executable, "-m", "tests.test_web", "worker"]
+            command += [target.kind, target.target, target.schema, str(flag)]
+            started.append(
+                subprocess.Popen(  # noqa: S603 - our own interpreter and script
+                    [*command, *(["--fill"] if number == 0 else [])],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for process in started:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            assert line == "ready\n", f"a worker ended early ({process.wait()})"
+        yield started
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+
+
+@contextlib.contextmanager
+def served(application: Any) -> Iterator[str]:
+    """``application`` on Hypercorn's Trio worker, on a free port of 127.0.0.1: its URL."""
+    import hypercorn.trio
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.graceful_timeout = 0.5
+    found: queues.Queue[tuple[str, Any] | BaseException] = queues.Queue()
+
+    async def main() -> None:
+        stop = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                serving = functools.partial(
+                    hypercorn.trio.serve, application, config, shutdown_trigger=stop.wait
+                )
+                binds = await nursery.start(serving)
+                found.put((binds[0], (trio.lowlevel.current_trio_token(), stop)))
+        except BaseException as exc:
+            found.put(exc)
+            raise
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    started = found.get(timeout=20)
+    if isinstance(started, BaseException):
+        raise started
+    url, (token, stop) = started
+    try:
+        yield url
+    finally:
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(20)
+        assert not thread.is_alive()
+
+
+def call(admin: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """One admin call, from the test's (synchronous) side."""
+    return trio.run(functools.partial(getattr(admin, method), *args, **kwargs))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        reason = f"no {CHROMIUM} for the browser tests: apt-get install -y chromium"
+        if os.environ.get("TICKLER_REQUIRE_BROWSER"):
+            pytest.fail(f"{reason} (and TICKLER_REQUIRE_BROWSER is set)", pytrace=False)
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    directory = Path(os.environ.get("TICKLER_ARTIFACTS") or tmp_path / "artifacts")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def with_password(dsn: str, password: str) -> str:
+    """``dsn`` (a URL) with ``password`` for its user: a trust server ignores it."""
+    parts = urllib.parse.urlsplit(dsn)
+    user = parts.username or "postgres"
+    netloc = f"{user}:{password}@{parts.hostname}:{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    if request.param == "sqlite":
+        path = str(tmp_path / "queue.db")
+        return Target("sqlite", path, "", tickler.SqliteStore(path, poll_interval=POLL))
+    dsn: str = request.getfixturevalue("postgres_dsn")
+    schema: str = request.getfixturevalue("postgres_schema")
+    secret = urllib.parse.urlsplit(dsn).password
+    if secret is None:
+        secret = "Tr0ub4dor-and-3"  # noqa: S105 - a password the trust server ignores
+        dsn = with_password(dsn, secret)
+    store = tickler.PostgresStore(dsn, schema=schema, poll_interval=POLL)
+    return Target("postgres", dsn, schema, store, secret)
+
+
+def cells(page: Page, selector: str) -> dict[str, str]:
+    """The overview's cells of the queue's row, by their data attribute."""
+    row = page.locator(f"[data-queue='{QUEUE}']")
+    return {
+        name: row.locator(f"[{selector}='{name}']").inner_text().strip()
+        for name in row.locator(f"[{selector}]").evaluate_all(
+            f"cells => cells.map(cell => cell.getAttribute('{selector}'))"
+        )
+    }
+
+
+def until(check: Callable[[], bool], page: Page, timeout: float = 10.0) -> None:
+    """Reload ``page`` until ``check()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not reached on {page.url}"
+        time.sleep(POLL)
+        page.reload()
+
+
+def test_dashboard_in_a_browser(
+    browser: Browser,
+    target: Target,
+    tmp_path: Path,
+    artifacts: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A person's session: counts, a failure's traceback, retry, cancel, pause, bulk."""
+    caplog.set_level("INFO", logger="tickler")
+    flag = tmp_path / "mail-server-fixed"
+    admin = target.dashboard_store.admin()
+    shown: list[str] = []  # every page's HTML, checked for the password at the end
+    dialogs: list[str] = []
+    shots = 0
+
+    def shot(page: Page, name: str) -> None:
+        nonlocal shots
+        shots += 1
+        shown.append(page.content())
+        page.screenshot(path=artifacts / f"{target.kind}-{shots:02}-{name}.png", full_page=True)
+
+    application = tickler.web.app(target.dashboard_store)
+    with workers(target, flag, 2), served(application) as url:
+        context = browser.new_context(viewport={"width": 1360, "height": 900})
+        page = context.new_page()
+
+        def on_dialog(dialog: Dialog) -> None:
+            dialogs.append(dialog.message)
+            dialog.dismiss()
+
+        page.on("dialog", on_dialog)
+
+        # The overview: each count as the store has it, and as the fill left it.
+        page.goto(url + "/")
+        counts = cells(page, "data-count")
+        stored = call(admin, "counts", QUEUE)
+        for state, expected in EXPECTED_COUNTS.items():
+            assert counts[state] == str(stored[state]) == str(expected), state
+        fields = cells(page, "data-field")
+        assert fields["running"] == "1"
+        assert fields["paused"] == "active"
+        assert fields["oldest"] == "—"  # nothing is queued
+        assert (
+            "3 succeeded" in page.locator(f"[data-queue='{QUEUE}'] [data-field=hour]").inner_text()
+        )
+        shot(page, "overview")
+
+        # The replicas: the owner of the running request holds its lease.
+        long = call(admin, "lookup", QUEUE, "long")
+        page.click("text=Replicas")
+        replica = page.locator(f"tr[data-owner='{long.owner}']")
+        assert replica.locator("td.num").inner_text() == "1"
+        shot(page, "replicas")
+
+        # The failed requests, by the filter form; one of them, with its traceback.
+        page.click("nav >> text=Requests")
+        page.select_option("select[name=state]", "failed")
+        page.click("text=Filter")
+        rows = page.locator("table.requests tbody tr")
+        assert rows.evaluate_all("rows => rows.map(row => row.dataset.state)") == ["failed"]
+        refused = call(admin, "lookup", QUEUE, "refused")
+        shot(page, "requests-failed")
+        page.click(f"text=#{refused.id}")
+        assert page.locator("#state").inner_text() == "failed"
+        traceback = page.locator("#traceback").inner_text()
+        assert "Traceback (most recent call last)" in traceback
+        assert "ValueError: the mail server refused 'nobody@example.com'" in traceback
+        assert "in handle" in traceback
+        shot(page, "detail-failed")
+
+        # The mail server is fixed: retry, and watch the request succeed.
+        flag.touch()
+        page.click("button:has-text('Retry now')")
+        assert "queued to run again now" in page.locator(".notice").inner_text()
+        until(lambda: page.locator("#state").inner_text() == "succeeded", page)
+        assert "delivered on retry" in page.locator("#result").inner_text()
+        assert page.locator("#attempts").inner_text() == "2"
+        shot(page, "detail-retried")
+
+        # Cancel the running request: its replica withdraws the attempt.
+        page.goto(url + f"/request?queue={QUEUE}&id={long.id}")
+        assert page.locator("#state").inner_text() == "running"
+        page.click("button:has-text('Cancel')")
+        until(lambda: page.locator("#state").inner_text() == "cancelled", page)
+        shot(page, "detail-cancelled")
+
+        # Pause: the two services start nothing more, until resumed.
+        page.click("text=Overview")
+        page.click(f"[data-queue='{QUEUE}'] button:has-text('Pause')")
+        assert cells(page, "data-field")["paused"] == "paused"
+        enqueue(target, [{"do": "ok", "to": f"paused{n}@example.com"} for n in range(3)])
+        time.sleep(10 * POLL)  # ten looks at the store by each service
+        page.reload()
+        assert cells(page, "data-count")["queued"] == "3"
+        assert cells(page, "data-field")["oldest"] != "—"
+        shot(page, "overview-paused")
+        page.click(f"[data-queue='{QUEUE}'] button:has-text('Resume')")
+        until(lambda: cells(page, "data-count")["succeeded"] == "7", page)
+        assert cells(page, "data-count")["queued"] == "0"
+
+        # Bulk: cancel what is scheduled, after a confirmation that counts it.
+        page.goto(url + f"/requests?queue={QUEUE}&state=scheduled")
+        page.click("text=Cancel all that match")
+        assert page.locator("#count").inner_text() == "1"
+        shot(page, "confirm-bulk-cancel")
+        page.click("button.danger")
+        assert page.locator(".notice").inner_text() == "Cancelled 1 request(s)."
+        assert call(admin, "counts", QUEUE)["scheduled"] == 0
+        # Bulk retry by key: the request cancelled at the fill runs, and succeeds.
+        page.goto(url + f"/requests?queue={QUEUE}&key=cancel-me")
+        page.click("text=Retry all that match")
+        assert page.locator("#count").inner_text() == "1"
+        page.click("button.danger")
+        assert page.locator(".notice").inner_text() == "Queued 1 request(s) to run again now."
+        gone = call(admin, "lookup", QUEUE, "cancel-me")
+        page.goto(url + f"/request?queue={QUEUE}&id={gone.id}")
+        until(lambda: page.locator("#state").inner_text() == "succeeded", page)
+
+        # The <script> request is text: shown as typed, never run.
+        script = call(admin, "lookup", QUEUE, "script")
+        page.goto(url + f"/request?queue={QUEUE}&id={script.id}")
+        assert SCRIPT in page.locator("#request").inner_text()
+        assert SCRIPT in page.locator("#result").inner_text()
+        shot(page, "detail-script")
+        page.goto(url + f"/requests?queue={QUEUE}")
+        assert "<script>" in page.locator(f"tr[data-id='{script.id}']").inner_text()
+        assert page.title() != "pwned"
+        assert dialogs == []
+
+        # Read-only, beside it: the same pages without a button, and a forged POST refused.
+        with served(tickler.web.app(target.dashboard_store, read_only=True)) as read_only:
+            cancelled = call(admin, "lookup", QUEUE, "long")
+            for path in ["/", f"/requests?queue={QUEUE}", f"/request?queue={QUEUE}&id={long.id}"]:
+                page.goto(read_only + path)
+                assert page.locator("form[method=post]").count() == 0
+                assert page.locator("button[name=action], a.button").count() == 0
+                assert page.locator("text=Cancel all that match").count() == 0
+                assert page.locator("header .mode").inner_text() == "read-only"
+            shot(page, "read-only-detail")
+            forged = forge(read_only, {"action": "retry", "queue": QUEUE, "id": str(long.id)})
+            assert forged.status_code == 403
+            assert "read-only" in forged.text
+            assert forge(read_only + "/confirm?action=retry&queue=mail").status_code == 403
+            assert call(admin, "lookup", QUEUE, "long") == cancelled
+        context.close()
+
+    call(admin, "aclose")
+    logged = [r.getMessage() for r in caplog.records if r.name == "tickler"]
+    assert f"dashboard: retry of request {refused.id} of queue 'mail' done (by 127.0.0.1)" in logged
+    assert f"dashboard: cancel of request {long.id} of queue 'mail' done (by 127.0.0.1)" in logged
+    assert "dashboard: pause of queue 'mail' (by 127.0.0.1)" in logged
+    assert "dashboard: resume of queue 'mail' (by 127.0.0.1)" in logged
+    assert any(m.startswith("dashboard: bulk-cancel of queue 'mail' where") for m in logged)
+    if target.secret is not None:
+        assert not [html for html in shown if target.secret in html]
+        assert target.secret not in caplog.text
+
+
+def forge(url: str, form: dict[str, str] | None = None) -> Any:
+    """A POST of ``form`` to ``url``'s /act, with a valid CSRF cookie and token as a page
+    would hold them (or a GET of ``url`` without a form)."""
+    import httpx
+
+    with httpx.Client(base_url=url) as client:
+        if form is None:
+            return client.get("")
+        token = client.get("/").cookies["tickler_csrf"]
+        return client.post("/act", data={**form, "csrf": token})
+
+
+def enqueue(target: Target, requests: list[dict[str, Any]]) -> None:
+    """Enqueue as a producer that runs no service: through its own connection."""
+    store = target.dashboard_store
+    if isinstance(store, tickler.SqliteStore):
+        import sqlite3
+
+        connection = sqlite3.connect(store.path)
+        with connection:
+            for request in requests:
+                store.enqueue_in(connection, QUEUE, request)
+        connection.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(store.dsn) as pg, pg.transaction():
+            for request in requests:
+                store.enqueue_in(pg, QUEUE, request)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        kind, target_, schema, flag_ = sys.argv[2:6]
+        trio.run(work, kind, target_, schema, flag_, "--fill" in sys.argv[6:])
+    else:
+        raise SystemExit("usage: python -m tests.test_web worker KIND TARGET SCHEMA FLAG [--fill]")
