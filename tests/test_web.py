@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).parent.parent
 CHROMIUM = "/usr/bin/chromium"
 QUEUE = "mail"
-POLL = 0.1
+POLL = 0.05
 SCRIPT = "<script>document.title='pwned';alert('pwned')</script>"
 
 
@@ -437,6 +437,175 @@ def test_dashboard_in_a_browser(
     if target.secret is not None:
         assert not [html for html in shown if target.secret in html]
         assert target.secret not in caplog.text
+
+
+async def states(admin: Any, keys: list[str]) -> list[str | None]:
+    found = [await admin.lookup(QUEUE, key) for key in keys]
+    return [None if request is None else request.state for request in found]
+
+
+def filled(path: Path) -> tickler.SqliteStore:
+    """A SQLite file a service filled (and left): one request succeeded, one failed."""
+
+    async def run() -> None:
+        store = tickler.SqliteStore(path, poll_interval=POLL)
+        handler = functools.partial(handle, path.with_suffix(".fixed"))
+        async with tickler.open_service(handler, store=store, name=QUEUE) as service:
+            service.enqueue_request(FILL["order-8"][0], key="order-8")
+            service.enqueue_request(FILL["refused"][0], key="refused")
+            admin = store.admin()
+            with trio.fail_after(10):
+                while await states(admin, ["order-8", "refused"]) != ["succeeded", "failed"]:
+                    await trio.sleep(POLL)
+            await admin.aclose()
+
+    trio.run(run)
+    return tickler.SqliteStore(path, poll_interval=POLL)
+
+
+def test_an_action_needs_the_pages_csrf_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A POST without the token of the page's cookie, or with another, changes nothing."""
+    store = filled(tmp_path / "queue.db")
+    admin = store.admin()
+    refused = call(admin, "lookup", QUEUE, "refused")
+    import httpx
+
+    form = {"action": "retry", "queue": QUEUE, "id": str(refused.id)}
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        token = client.get("/").cookies["tickler_csrf"]
+        assert client.post("/act", data=form).status_code == 403  # the cookie, no token
+        assert client.post("/act", data={**form, "csrf": "x" * 43}).status_code == 403
+        client.cookies.clear()
+        assert client.post("/act", data={**form, "csrf": token}).status_code == 403  # no cookie
+        assert call(admin, "lookup", QUEUE, "refused").state == "failed"
+        client.cookies.set("tickler_csrf", token)
+        done = client.post("/act", data={**form, "csrf": token})
+        assert (done.status_code, done.headers["location"]) == (
+            303,
+            f"/request?queue={QUEUE}&id={refused.id}&done=retry&n={refused.id}",
+        )
+        assert call(admin, "lookup", QUEUE, "refused").state == "queued"
+    call(admin, "aclose")
+    refusals = [r for r in caplog.records if "without a valid CSRF token" in r.getMessage()]
+    assert len(refusals) == 3
+
+
+async def _allow_header(request: Any) -> bool:
+    await trio.sleep(0)
+    return bool(request.headers.get("x-operator") == "ada")
+
+
+@pytest.mark.parametrize(
+    "check",
+    [lambda request: request.headers.get("x-operator") == "ada", _allow_header],
+    ids=["sync", "async"],
+)
+def test_auth_is_the_users_own_check(tmp_path: Path, check: Any) -> None:
+    """``auth`` sees each request before any page, file or action: False is 403."""
+    import httpx
+
+    store = filled(tmp_path / "queue.db")
+    with served(tickler.web.app(store, auth=check)) as url, httpx.Client(base_url=url) as client:
+        for path in ["/", "/requests", "/static/tickler.js", "/replicas"]:
+            assert client.get(path).status_code == 403, path
+            assert client.get(path, headers={"x-operator": "ada"}).status_code == 200, path
+        assert client.post("/act", data={"action": "pause", "queue": QUEUE}).status_code == 403
+    admin = store.admin()
+    assert call(admin, "counts", QUEUE)["paused"] == 0
+    call(admin, "aclose")
+
+
+def test_basic_auth_challenges_the_browser(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """BasicAuth answers 401 with a challenge until the user and password match; an
+    action's log line names the user."""
+    import httpx
+
+    caplog.set_level("INFO", logger="tickler")
+    store = filled(tmp_path / "queue.db")
+    application = tickler.web.app(store, auth=tickler.web.BasicAuth("ops", "s3cret:pw"))
+    with served(application) as url:
+        for auth in [None, ("ops", "wrong"), ("ada", "s3cret:pw"), ("ops", "s3cret")]:
+            refused = httpx.get(url + "/", auth=auth)
+            assert refused.status_code == 401
+            assert refused.headers["www-authenticate"].startswith('Basic realm="tickler"')
+        with httpx.Client(base_url=url, auth=("ops", "s3cret:pw")) as client:
+            assert client.get("/").status_code == 200
+            token = client.cookies["tickler_csrf"]
+            paused = client.post("/act", data={"action": "pause", "queue": QUEUE, "csrf": token})
+            assert paused.status_code == 303
+    assert "dashboard: pause of queue 'mail' (by 'ops' at 127.0.0.1)" in caplog.messages
+    with pytest.raises(ValueError, match=r"^basic_auth's user must be non-empty and hold no ':'$"):
+        tickler.web.BasicAuth("a:b", "pw")
+    with pytest.raises(ValueError, match=r"^basic_auth's password must be non-empty$"):
+        tickler.web.BasicAuth("ops", "")
+    assert "s3cret" not in repr(tickler.web.BasicAuth("ops", "s3cret"))
+
+
+def test_an_error_page_hides_the_dsns_password(caplog: pytest.LogCaptureFixture) -> None:
+    """libpq quotes a malformed URL whole: the page and the log show its password as ***."""
+    import httpx
+
+    secret = "Hunter2-not-shown"  # noqa: S105 - the password under test
+    store = tickler.PostgresStore(f"postgresql://ops:{secret}@[127.0.0.1:1/db", schema="tickler")
+    with served(tickler.web.app(store)) as url:
+        failed = httpx.get(url + "/")
+    assert failed.status_code == 500
+    assert "postgresql://ops:***@[127.0.0.1" in failed.text
+    assert secret not in failed.text
+    assert "dashboard: GET / failed" in caplog.text
+    assert secret not in caplog.text
+
+
+def test_mounted_under_a_prefix_with_a_refresh_that_pauses(
+    browser: Browser, tmp_path: Path, artifacts: Path
+) -> None:
+    """Mounted in a user's Starlette app, every link, file and action stays under the
+    mount; the page reloads itself every 5 s until its refresh is paused."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Mount, Route
+
+    store = filled(tmp_path / "queue.db")
+
+    async def home(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("the user's own page")
+
+    users_app = Starlette(
+        routes=[Route("/", home), Mount("/ops/tickler", app=tickler.web.app(store))]
+    )
+    with served(users_app) as url:
+        context = browser.new_context()
+        page = context.new_page()
+        page.clock.install()
+        page.goto(url + "/ops/tickler/")
+        page.click("nav >> text=Requests")
+        assert page.url.startswith(url + "/ops/tickler/requests")
+        page.click("text=Overview")
+        page.click(f"[data-queue='{QUEUE}'] button:has-text('Pause')")
+        assert page.url.startswith(url + "/ops/tickler/?done=pause")
+        assert cells(page, "data-field")["paused"] == "paused"
+        page.screenshot(path=artifacts / "mounted-overview.png", full_page=True)
+
+        # The script shipped in the package runs (the CSP lets no inline one) and reloads.
+        toggle = page.locator("#refresh-toggle")
+        assert toggle.inner_text() == "Pause refresh"
+        assert page.locator("#refresh-state").inner_text() == "refreshes every 5 s"
+        page.evaluate("window.reloaded = false")
+        with page.expect_navigation():
+            page.clock.run_for(5_100)
+        assert page.evaluate("window.reloaded") is None
+        toggle.click()
+        assert toggle.inner_text() == "Resume refresh"
+        page.evaluate("window.reloaded = false")
+        page.clock.run_for(60_000)
+        assert page.evaluate("window.reloaded") is False  # still this page
+        page.reload()  # the pause holds across pages, for this tab
+        assert page.locator("#refresh-state").inner_text() == "refresh paused"
+        context.close()
 
 
 def forge(url: str, form: dict[str, str] | None = None) -> Any:

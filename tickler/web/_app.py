@@ -147,6 +147,8 @@ def duration(seconds: float | None) -> str:
         return "—"
     if seconds < 0:
         return "-" + duration(-seconds)
+    if 0 < seconds < 0.0005:
+        return "<1 ms"
     if seconds < 1:
         return f"{seconds * 1000:.0f} ms"
     if seconds < 60:
