@@ -250,14 +250,14 @@ def with_password(dsn: str, password: str) -> str:
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     if request.param == "sqlite":
         path = str(tmp_path / "queue.db")
-        return Target("sqlite", path, "", tickler.SqliteStore(path, poll_interval=POLL))
+        return Target("sqlite", path, "", tickler.SqliteStore(path, poll_interval=POLL, lease=6))
     dsn: str = request.getfixturevalue("postgres_dsn")
     schema: str = request.getfixturevalue("postgres_schema")
     secret = urllib.parse.urlsplit(dsn).password
     if secret is None:
         secret = "Tr0ub4dor-and-3"  # noqa: S105 - a password the trust server ignores
         dsn = with_password(dsn, secret)
-    store = tickler.PostgresStore(dsn, schema=schema, poll_interval=POLL)
+    store = tickler.PostgresStore(dsn, schema=schema, poll_interval=POLL, lease=6)
     return Target("postgres", dsn, schema, store, secret)
 
 
@@ -328,11 +328,15 @@ def test_dashboard_in_a_browser(
         )
         shot(page, "overview")
 
-        # The replicas: the owner of the running request holds its lease.
+        # The replicas: the owner of the running request holds its lease, renewed lately.
         long = call(admin, "lookup", QUEUE, "long")
         page.click("text=Replicas")
         replica = page.locator(f"tr[data-owner='{long.owner}']")
         assert replica.locator("td.num").inner_text() == "1"
+        renewed = replica.locator("td").nth(3).inner_text()  # within a lease's third, 2 s
+        value, unit, ago = renewed.split()
+        assert (ago, unit in ("ms", "s")) == ("ago", True), renewed
+        assert float(value) / (1000 if unit == "ms" else 1) <= 2.5, renewed
         shot(page, "replicas")
 
         # The failed requests, by the filter form; one of them, with its traceback.
