@@ -612,6 +612,23 @@ def test_mounted_under_a_prefix_with_a_refresh_that_pauses(
         context.close()
 
 
+def test_the_pages_mount_block_runs(tmp_path: Path) -> None:
+    """docs/dashboard.md's Python block runs as written, and prints what it says."""
+    from tests.test_docs import BLOCKS
+
+    block = BLOCKS["docs/dashboard.md"]["mount"]
+    result = subprocess.run(  # noqa: S603 - our own interpreter on our own docs
+        [sys.executable, "-c", block.code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "['/tickler']\n"
+
+
 def forge(url: str, form: dict[str, str] | None = None) -> Any:
     """A POST of ``form`` to ``url``'s /act, with a valid CSRF cookie and token as a page
     would hold them (or a GET of ``url`` without a form)."""
