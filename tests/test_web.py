@@ -612,6 +612,72 @@ def test_mounted_under_a_prefix_with_a_refresh_that_pauses(
         context.close()
 
 
+def test_requests_page_by_page_and_filtered(tmp_path: Path) -> None:
+    """50 a page, newest first; "Older" follows the last id shown, to the last page;
+    the state, key and group filters select what the store selects; bad input is 400."""
+    import re
+    import sqlite3
+
+    import httpx
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    connection = sqlite3.connect(path)
+    with connection:
+        for number in range(1, 121):
+            group = "eu" if number % 3 == 0 else None
+            store.enqueue_in(connection, QUEUE, {"n": number}, key=f"k{number}", group=group)
+    connection.close()
+
+    def ids(html: str) -> list[int]:
+        return [int(found) for found in re.findall(r'<tr data-id="(\d+)"', html)]
+
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        pages = []
+        page = client.get(f"/requests?queue={QUEUE}")
+        while True:
+            pages.append(ids(page.text))
+            older = re.search(r'id="next-page" href="([^"]+)"', page.text)
+            if older is None:
+                break
+            page = client.get(older[1].replace("&amp;", "&"))
+        assert pages == [
+            list(range(120, 70, -1)),
+            list(range(70, 20, -1)),
+            list(range(20, 0, -1)),
+        ]
+        grouped = client.get(f"/requests?queue={QUEUE}&group=eu&state=queued")
+        assert ids(grouped.text) == list(range(120, 0, -3))[:50]
+        assert ids(client.get(f"/requests?queue={QUEUE}&key=k7").text) == [7]
+        assert ids(client.get(f"/requests?queue={QUEUE}&state=failed").text) == []
+        for bad, status in [
+            (f"/requests?queue={QUEUE}&state=lost", 400),
+            (f"/requests?queue={QUEUE}&after=x", 400),
+            (f"/request?queue={QUEUE}&id=seven", 400),
+            (f"/request?queue={QUEUE}&id=999", 404),
+            ("/confirm?action=delete&queue=mail", 400),
+        ]:
+            assert client.get(bad).status_code == status, bad
+
+
+def test_app_and_serve_check_their_arguments(tmp_path: Path) -> None:
+    store = tickler.SqliteStore(tmp_path / "queue.db")
+    with pytest.raises(TypeError, match=r"^store must be a tickler store with an admin API"):
+        tickler.web.app(object())
+    with pytest.raises(TypeError, match=r"^read_only must be a bool$"):
+        tickler.web.app(store, read_only=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^auth must be a callable taking a request, or None$"):
+        tickler.web.app(store, auth="ops")  # type: ignore[arg-type]
+    url = f"sqlite:///{tmp_path}/queue.db"
+    with pytest.raises(ValueError, match=r"^port must be from 0 to 65535$"):
+        tickler.web.serve(url, port=70000)
+    with pytest.raises(TypeError, match=r"^port must be an int$"):
+        tickler.web.serve(url, port="80")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^basic_auth must be a \(user, password\) pair of str$"):
+        tickler.web.serve(url, basic_auth=("ops",))  # type: ignore[arg-type]
+
+
 def test_the_pages_mount_block_runs(tmp_path: Path) -> None:
     """docs/dashboard.md's Python block runs as written, and prints what it says."""
     from tests.test_docs import BLOCKS

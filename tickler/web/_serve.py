@@ -33,11 +33,6 @@ def serve(
     Raises:
         TypeError, ValueError: a parameter breaks its rule (the message names it).
     """
-    import hypercorn.trio
-    from hypercorn.config import Config
-
-    from ..__main__ import open_store, redact
-
     if not isinstance(url, str):
         raise TypeError("url must be a str")
     if not isinstance(host, str) or not host:
@@ -51,6 +46,11 @@ def serve(
         if not isinstance(basic_auth, tuple) or len(basic_auth) != 2:
             raise TypeError("basic_auth must be a (user, password) pair of str")
         auth = BasicAuth(*basic_auth)
+    import hypercorn.trio
+    from hypercorn.config import Config
+
+    from ..__main__ import open_store, redact
+
     store = open_store(url)
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
