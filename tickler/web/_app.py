@@ -280,6 +280,10 @@ def _page(dashboard: Dashboard, endpoint: Endpoint) -> Callable[[Request], Await
             return dashboard.render(
                 request, "error.html", status=refused.status, message=refused.message
             )
+        except (TypeError, ValueError) as exc:
+            # The admin API's word on a bad queue name or key: the rule, naming the field.
+            message = redact(str(exc), dashboard.secrets_of())
+            return dashboard.render(request, "error.html", status=400, message=message)
         except Exception as exc:
             hidden = dashboard.secrets_of()
             logger.error(  # noqa: TRY400 - the traceback is logged redacted, below
@@ -340,22 +344,18 @@ async def overview(dashboard: Dashboard, request: Request) -> Response:
 
 
 def _chart(per_minute: list[tuple[float, int, int]]) -> dict[str, Any]:
-    """The bars of a queue's last hour: succeeded above the line, failed below it."""
+    """The bars of a queue's last hour, a minute each, the oldest first: succeeded above
+    the line, failed below it, scaled to the busiest minute."""
     peak = max([max(ok, failed) for _, ok, failed in per_minute] + [1])
-    bars = []
-    start = time.time() // 60 * 60 - 59 * 60
-    by_minute = {int(minute // 60): (ok, failed) for minute, ok, failed in per_minute}
-    for index in range(60):
-        minute = start + index * 60
-        ok, failed = by_minute.get(int(minute // 60), (0, 0))
-        bars.append(
-            {
-                "x": index * 4,
-                "ok": round(20 * ok / peak, 1),
-                "failed": round(20 * failed / peak, 1),
-                "title": f"{when(minute)[11:16]}: {ok} succeeded, {failed} failed",
-            }
-        )
+    bars = [
+        {
+            "x": index * 4,
+            "ok": round(20 * ok / peak, 1),
+            "failed": round(20 * failed / peak, 1),
+            "title": f"{when(minute)[11:16]} UTC: {ok} succeeded, {failed} failed",
+        }
+        for index, (minute, ok, failed) in enumerate(per_minute[-60:])
+    ]
     return {
         "bars": bars,
         "succeeded": sum(ok for _, ok, _ in per_minute),

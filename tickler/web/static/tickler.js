@@ -2,6 +2,13 @@
 // The pause is kept in this browser's sessionStorage, so it holds across pages.
 "use strict";
 (function () {
+  // An action's notice shows once: a reload of its page does not repeat it.
+  var here = new URL(location.href);
+  if (here.searchParams.has("done")) {
+    here.searchParams.delete("done");
+    here.searchParams.delete("n");
+    history.replaceState(null, "", here.pathname + here.search);
+  }
   var seconds = Number(document.body.dataset.refresh || 0);
   var toggle = document.getElementById("refresh-toggle");
   var state = document.getElementById("refresh-state");
