@@ -14,10 +14,11 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from ._admin import Admin
 from ._pg_listen import Listener
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
@@ -45,7 +46,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+
+_T = TypeVar("_T")
 
 # A schema's name also names its NOTIFY channel, "tickler_" + schema, which
 # PostgreSQL caps at 63 bytes.
@@ -88,7 +91,8 @@ CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
 CREATE INDEX tickler_finished ON tickler_requests (finished_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled');
 {_V2};
-{_V3}
+{_V3};
+{_V4}
 """
 
 # Version 2, from version 1: each row's priority and the time until which it holds its
@@ -138,10 +142,24 @@ CREATE INDEX IF NOT EXISTS tickler_starts_by_group
     ON tickler_starts (queue, group_name, started_at)
 """
 
-_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3)
+# Version 4, from version 3: the indexes the admin API reads on (tickler._stores._admin):
+# each queue's rows by state, newest first (pages, counts, the queues); a group's
+# likewise, for the rows of a group only; and the rows finished, by queue and time,
+# holding what the overview reads of them. A step of its own, skipped where the schema
+# already has it. (Each index is built under a lock that holds writes back until it is
+# done.)
+_V4 = """
+CREATE INDEX IF NOT EXISTS tickler_by_state ON tickler_requests (queue, state, id);
+CREATE INDEX IF NOT EXISTS tickler_by_group ON tickler_requests (queue, group_name, state, id)
+    WHERE group_name IS NOT NULL;
+CREATE INDEX IF NOT EXISTS tickler_finished_by_queue ON tickler_requests (queue, finished_at)
+    INCLUDE (state, run_at, started_at) WHERE finished_at IS NOT NULL
+"""
+
+_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3, _V4=_V4)
 
 # From each older version, the statements that bring a schema to the next one.
-_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3}
+_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3, 3: _V4}
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
@@ -496,6 +514,14 @@ class PostgresStore:
         """Connect, creating or checking the schema. Blocking: call it on a thread."""
         return PostgresSession(self)
 
+    def admin(self) -> Admin:
+        """The admin API on every queue of the schema, with no service running.
+
+        Its methods are async; it opens its own connection at its first call (creating
+        or upgrading the schema, as a service does) and closes it at ``aclose()``.
+        """
+        return Admin(repr(self), self.connect, self._codecs, self.lease)
+
     def create_schema(self) -> None:
         """Create the schema and tickler's tables in it, unless they exist.
 
@@ -826,6 +852,15 @@ class PostgresSession:
 
     def close(self) -> None:
         self.db.close()
+
+    # -- the admin's words (see _admin.AdminDialect)
+
+    mark = "%s"
+    ready_state = _READY
+    minute = "floor(finished_at / 60)::int8"
+
+    def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
+        return self._twice(call, *args)  # type: ignore[no-any-return]
 
     # -- the Dialect
 

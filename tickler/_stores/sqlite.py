@@ -14,10 +14,11 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from ._admin import Admin
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
@@ -38,7 +39,9 @@ from ._sql import (
     seconds,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+
+_T = TypeVar("_T")
 
 # Which states a partial index holds, written out as ORs: SQLite builds a
 # temporary table for an IN list of three or more values each time it checks
@@ -176,11 +179,33 @@ def _to_v4(db: sqlite3.Connection) -> None:
     db.execute(_STARTS_INDEX)
 
 
+# Version 5's indexes, which the admin API reads on (tickler._stores._admin): each
+# queue's rows by state, newest first (pages, counts, the queues); a group's likewise,
+# for the rows of a group only; and the rows finished, by queue and time, holding what
+# the overview reads of them. A claim writes none of them but for the state.
+_ADMIN_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS tickler_by_state ON tickler_requests (queue, state, id)",
+    "CREATE INDEX IF NOT EXISTS tickler_by_group"
+    " ON tickler_requests (queue, group_name, state, id) WHERE group_name IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS tickler_finished_by_queue"
+    " ON tickler_requests (queue, finished_at, state, run_at, started_at)"
+    " WHERE finished_at IS NOT NULL",
+)
+
+
+def _to_v5(db: sqlite3.Connection) -> None:
+    """Version 5: the admin API's indexes. A step of its own, skipped where the file
+    already has it."""
+    for create in _ADMIN_INDEXES:
+        db.execute(create)
+
+
 # From each older version, what brings a file to the next one.
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _to_v2,
     2: _to_v3,
     3: _to_v4,
+    4: _to_v5,
 }
 
 # A keyed row, unless its key is held by a row whose unique_until has not come, or live
@@ -468,6 +493,14 @@ class SqliteStore:
         """Open the file, creating or checking its schema. Blocking: call it on a thread."""
         return SqliteSession(self)
 
+    def admin(self) -> Admin:
+        """The admin API on every queue of the file, with no service running.
+
+        Its methods are async; it opens its own connection at its first call (creating
+        or upgrading the schema, as a service does) and closes it at ``aclose()``.
+        """
+        return Admin(repr(self), self.connect, self._codecs, self.lease)
+
     def create_schema(self) -> None:
         """Create tickler's tables in the file, or bring an older schema up to date.
 
@@ -654,6 +687,19 @@ class SqliteSession:
     def close(self) -> None:
         self.db.close()
 
+    # -- the admin's words (see _admin.AdminDialect)
+
+    mark = "?"
+    ready_state = _READY
+    minute = "CAST(finished_at / 60 AS INTEGER)"
+
+    def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
+        try:
+            return call(self, *args)
+        except BaseException:
+            self.rollback()
+            raise
+
     # -- the Dialect
 
     def execute(self, sql: str, params: Any = ()) -> Any:
@@ -824,6 +870,7 @@ def _check_schema(db: sqlite3.Connection, path: Path) -> None:
                     if statement.strip():
                         db.execute(statement)
                 _to_v4(db)
+                _to_v5(db)
                 db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
                 db.execute("COMMIT")
         except BaseException:
