@@ -666,7 +666,7 @@ def test_requests_page_by_page_and_filtered(tmp_path: Path) -> None:
 def test_app_and_serve_check_their_arguments(tmp_path: Path) -> None:
     store = tickler.SqliteStore(tmp_path / "queue.db")
     with pytest.raises(TypeError, match=r"^store must be a tickler store with an admin API"):
-        tickler.web.app(object())
+        tickler.web.app(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^read_only must be a bool$"):
         tickler.web.app(store, read_only=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^auth must be a callable taking a request, or None$"):

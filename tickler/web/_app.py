@@ -10,7 +10,7 @@ import pprint
 import secrets
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .. import Admin, PostgresStore, SqliteStore
 from ..__main__ import redact
 
 logger = logging.getLogger("tickler")
@@ -199,14 +200,14 @@ def _environment() -> jinja2.Environment:
 class Dashboard:
     """The state behind one ``app(...)``: the store, its admin object, the templates."""
 
-    store: Any
+    store: SqliteStore | PostgresStore
     read_only: bool
     auth: Auth | None
     environment: jinja2.Environment = attrs.field(factory=_environment)
-    _admin: Any = None
+    _admin: Admin | None = None
 
     @property
-    def admin(self) -> Any:
+    def admin(self) -> Admin:
         # Opened on first use: a mounted application gets no lifespan events of its own.
         if self._admin is None:
             self._admin = self.store.admin()
@@ -547,7 +548,9 @@ class _Guard:
         await refusal(scope, receive, send)
 
 
-def app(store: Any, *, read_only: bool = False, auth: Auth | None = None) -> ASGIApp:
+def app(
+    store: SqliteStore | PostgresStore, *, read_only: bool = False, auth: Auth | None = None
+) -> ASGIApp:
     """The dashboard of ``store``'s queues, as an ASGI application.
 
     Mount it in a Starlette application (``Mount("/tickler", app=tickler.web.app(store))``)
@@ -584,7 +587,7 @@ def app(store: Any, *, read_only: bool = False, auth: Auth | None = None) -> ASG
     import contextlib
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> Any:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         try:
             yield
         finally:
