@@ -24,8 +24,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .. import Admin, PostgresStore, SqliteStore
 from ..__main__ import redact
+from .._stores._admin import Admin
+from .._stores.postgres import PostgresStore
+from .._stores.sqlite import SqliteStore
 
 logger = logging.getLogger("tickler")
 
