@@ -333,10 +333,10 @@ def test_dashboard_in_a_browser(
         page.click("text=Replicas")
         replica = page.locator(f"tr[data-owner='{long.owner}']")
         assert replica.locator("td.num").inner_text() == "1"
-        renewed = replica.locator("td").nth(3).inner_text()  # within a lease's third, 2 s
+        renewed = replica.locator("td").nth(3).inner_text()  # every third of 6 s, and a margin
         value, unit, ago = renewed.split()
         assert (ago, unit in ("ms", "s")) == ("ago", True), renewed
-        assert float(value) / (1000 if unit == "ms" else 1) <= 2.5, renewed
+        assert float(value) / (1000 if unit == "ms" else 1) <= 4, renewed
         shot(page, "replicas")
 
         # The failed requests, by the filter form; one of them, with its traceback.
