@@ -17,7 +17,7 @@ import trio
 import tickler
 from tickler._stores._sync import MAX_ERROR_MESSAGE_CHARS, MAX_TRACEBACK_CHARS
 
-from .store_backends import Backend
+from .store_backends import Backend, SqliteBackend
 from .test_store_contract import backend, create_schema
 
 __all__ = ["backend"]  # the fixture, used by every test here
@@ -365,6 +365,7 @@ async def test_the_overview_reads_counts_times_and_rates(backend: Backend) -> No
     jobs = overviews["jobs"]
     assert (jobs.counts["succeeded"], jobs.counts["failed"], jobs.running) == (3, 3, 0)
     assert not jobs.paused
+    assert jobs.estimated == []
     assert jobs.oldest_queued_age is None
     assert len(jobs.per_minute) == 60
     minutes = [start for start, _, _ in jobs.per_minute]
@@ -386,6 +387,26 @@ async def test_the_overview_reads_counts_times_and_rates(backend: Backend) -> No
     assert sum(s for _, s, _ in backlog.per_minute) == 0
     assert overviews["quiet"].paused
     assert sum(overviews["quiet"].counts.values()) == 1
+
+
+async def test_the_overview_estimates_a_state_past_its_cap(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past COUNT_CAP rows, a state's count is the store's estimate, never below the cap;
+    counts() stays exact."""
+    from tickler._stores import _admin
+
+    monkeypatch.setattr(_admin, "COUNT_CAP", 5)
+    enqueue(backend, list(range(20)))
+    enqueue(backend, [1, 2], delay=3600)
+    async with backend.store().admin() as admin:
+        (overview,) = await admin.overview()
+        assert (await admin.counts("jobs"))["queued"] == 20
+    assert overview.estimated == ["queued"]
+    assert overview.counts["queued"] >= 5
+    assert overview.counts["scheduled"] == 2
+    if isinstance(backend, SqliteBackend):
+        assert overview.counts["queued"] == 5  # SQLite keeps no estimate
 
 
 async def test_replicas_are_the_owners_holding_leases(backend: Backend) -> None:

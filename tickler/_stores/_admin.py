@@ -40,6 +40,10 @@ _RETRYABLE = "state IN ('failed', 'cancelled')"
 MAX_LIMIT = 500
 # The overview's window: rows finished in the last hour, by minute.
 WINDOW = 3600.0
+# The overview counts each state exactly up to this many rows; past it, the count is the
+# store's estimate (see QueueOverview.estimated), so that a queue of millions of rows costs
+# about what one of COUNT_CAP does.
+COUNT_CAP = 50_000
 # The overview's percentiles read at most this many of the latest rows finished in the
 # window, so that a busy queue's overview costs the same as a quiet one's.
 PERCENTILE_ROWS = 10_000
@@ -105,7 +109,7 @@ class QueueOverview:
 
     queue: str
     counts: dict[str, int]
-    """As ``counts(queue)``."""
+    """As ``counts(queue)``, but for the states named in ``estimated``."""
     oldest_queued_age: float | None
     """Seconds since the ready request due the longest fell due; None if none is due."""
     running: int
@@ -122,6 +126,10 @@ class QueueOverview:
     run_p50: float | None
     """Likewise, seconds the last attempt ran."""
     run_p95: float | None
+    estimated: list[str] = attrs.Factory(list)
+    """The states whose count is an estimate: each had more than COUNT_CAP rows, and its
+    count is the store's estimate (the planner's, PostgreSQL's; SQLite has none, and gives
+    COUNT_CAP), never less than COUNT_CAP. ``counts(queue)`` counts them exactly."""
 
 
 @attrs.frozen
@@ -150,6 +158,11 @@ class AdminDialect(Dialect, Protocol):
     """The WHERE term of the store's partial index of ready rows, in its very words."""
     minute: str
     """An SQL expression of the minute (an integer count since the epoch) of finished_at."""
+
+    def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
+        """How many rows the store estimates the query gives, without running it; None
+        if it cannot tell."""
+        ...
 
     def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
         """Call ``call(self, *args)``, rolling back after an error (and connecting again
@@ -361,14 +374,39 @@ def _set_paused(d: AdminDialect, queue: str, paused: bool) -> None:
         raise
 
 
-def _counts(d: AdminDialect, queue: str) -> dict[str, int]:
+def _counts(
+    d: AdminDialect, queue: str, cap: int | None = None
+) -> tuple[dict[str, int], list[str]]:
     """As _sql.counts, each state counted on tickler_by_state's entries alone, and the
-    claimed rows among the running on tickler_running."""
+    claimed rows among the running on tickler_running; and the states whose count is an
+    estimate.
+
+    With ``cap``, no state's count reads more than ``cap`` + 1 entries: a state with more
+    is given the store's estimate (never less than ``cap``), and named as estimated.
+    """
     m = d.mark
     found = dict.fromkeys(COUNTED, 0)
-    sql = f"SELECT state, count(*) FROM tickler_requests WHERE queue = {m} GROUP BY state"
-    for state, count in d.execute(sql, (queue,)):
+    estimated: list[str] = []
+    if cap is None:
+        sql = f"SELECT state, count(*) FROM tickler_requests WHERE queue = {m} GROUP BY state"
+        params: list[Any] = [queue]
+    else:
+        # (The states are constants: their names are written in.)
+        sql = " UNION ALL ".join(
+            f"SELECT '{state}', count(*) FROM (SELECT 1 FROM tickler_requests"
+            f" WHERE queue = {m} AND state = '{state}' LIMIT {m}) AS c{i}"
+            for i, state in enumerate(STATES)
+        )
+        params = [p for _ in STATES for p in (queue, cap + 1)]
+    for state, count in d.execute(sql, params).fetchall():
         found[str(state)] = int(count)
+        if cap is not None and count > cap:
+            guess = d.estimate(
+                f"SELECT 1 FROM tickler_requests WHERE queue = {m} AND state = {m}",
+                (queue, state),
+            )
+            found[str(state)] = max(cap, guess or 0)
+            estimated.append(str(state))
     claimed = (
         f"SELECT count(*) FROM tickler_requests WHERE queue = {m} AND state = 'running'"
         " AND started_at IS NULL"
@@ -378,7 +416,7 @@ def _counts(d: AdminDialect, queue: str) -> dict[str, int]:
     flag = d.execute(d.statements.paused, (queue,)).fetchone()
     found["paused"] = int(bool(flag is not None and flag[0]))
     found["limited"] = limited_now(d, queue)
-    return found
+    return found, estimated
 
 
 def _earliest_due(d: AdminDialect, queue: str) -> float | None:
@@ -410,7 +448,7 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 def _overview(d: AdminDialect, queue: str) -> QueueOverview:
     m = d.mark
     now = d.now()[0]
-    counts = _counts(d, queue)
+    counts, estimated = _counts(d, queue, COUNT_CAP)
     due = _earliest_due(d, queue)
     first_minute = math.floor(now / 60) - 59
     by_minute = {minute: (0, 0) for minute in range(first_minute, first_minute + 60)}
@@ -444,6 +482,7 @@ def _overview(d: AdminDialect, queue: str) -> QueueOverview:
         wait_p95=_percentile(waits, 0.95),
         run_p50=_percentile(runs, 0.5),
         run_p95=_percentile(runs, 0.95),
+        estimated=estimated,
     )
 
 
@@ -583,7 +622,7 @@ class Admin:
     async def counts(self, queue: str) -> dict[str, int]:
         """Rows by state, with the keys of a service's ``store_statistics()`` counts."""
         _check_queue(queue)
-        return await self._run(_counts, queue)
+        return (await self._run(_counts, queue))[0]
 
     async def requests(
         self,

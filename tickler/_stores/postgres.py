@@ -859,6 +859,15 @@ class PostgresSession:
     ready_state = _READY
     minute = "floor(finished_at / 60)::int8"
 
+    def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
+        """The planner's estimate of the query's rows, from the table's statistics (kept
+        fresh by autovacuum's analyze: see the table's settings)."""
+        row = self.db.execute(f"EXPLAIN (FORMAT JSON) {sql}", params).fetchone()
+        try:
+            return int(row[0][0]["Plan"]["Plan Rows"])  # type: ignore[index]
+        except (TypeError, KeyError, IndexError, ValueError):
+            return None
+
     def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
         return self._twice(call, *args)  # type: ignore[no-any-return]
 

@@ -693,6 +693,10 @@ class SqliteSession:
     ready_state = _READY
     minute = "CAST(finished_at / 60 AS INTEGER)"
 
+    def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
+        """SQLite keeps no estimate of a query's rows."""
+        return None
+
     def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
         try:
             return call(self, *args)
