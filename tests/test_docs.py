@@ -120,6 +120,7 @@ OUTPUTS = {
         "[(3, 'queued', 'c@example.com'), (2, 'cancelled', 'b@example.com')] 2\n"
         "[(1, 'cancelled')] None\nTrue\n1\n3 1\n3\n"
     ),
+    ("docs/dashboard.md", "mount"): "['/tickler']\n",
     ("docs/observability.md", "prometheus"): (
         'tickler_requests_succeeded_total{service="mailer"} 3.0\n'
     ),
