@@ -17,6 +17,7 @@ import contextlib
 import functools
 import os
 import queue as queues
+import re
 import subprocess
 import sys
 import threading
@@ -617,7 +618,6 @@ def test_mounted_under_a_prefix_with_a_refresh_that_pauses(
 def test_requests_page_by_page_and_filtered(tmp_path: Path) -> None:
     """50 a page, newest first; "Older" follows the last id shown, to the last page;
     the state, key and group filters select what the store selects; bad input is 400."""
-    import re
     import sqlite3
 
     import httpx
@@ -663,6 +663,31 @@ def test_requests_page_by_page_and_filtered(tmp_path: Path) -> None:
             assert client.get(bad).status_code == status, bad
 
 
+def test_a_state_past_the_cap_shows_as_an_estimate(tmp_path: Path) -> None:
+    """Past COUNT_CAP rows, the overview marks a count as not exact; the rest are exact,
+    with their thousands marked."""
+    import sqlite3
+
+    import httpx
+
+    from tickler._stores._admin import COUNT_CAP
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    connection = sqlite3.connect(path)
+    with connection:
+        store.enqueue_many_in(connection, QUEUE, range(COUNT_CAP + 1))
+        store.enqueue_many_in(connection, QUEUE, range(1234), delay=3600)
+    connection.close()
+    with served(tickler.web.app(store)) as url:
+        page = httpx.get(url + "/").text
+    queued = re.search(r'data-count="queued" title="([^"]*)"><a [^>]*>([^<]*)</a>', page)
+    assert queued is not None
+    assert queued.groups() == ("an estimate: more than 50,000 rows", "50,000+")
+    assert re.search(r'data-count="scheduled"><a [^>]*>1,234</a>', page)
+
+
 def test_app_and_serve_check_their_arguments(tmp_path: Path) -> None:
     store = tickler.SqliteStore(tmp_path / "queue.db")
     with pytest.raises(TypeError, match=r"^store must be a tickler store with an admin API"):
@@ -678,23 +703,6 @@ def test_app_and_serve_check_their_arguments(tmp_path: Path) -> None:
         tickler.web.serve(url, port="80")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^basic_auth must be a \(user, password\) pair of str$"):
         tickler.web.serve(url, basic_auth=("ops",))  # type: ignore[arg-type]
-
-
-def test_the_pages_mount_block_runs(tmp_path: Path) -> None:
-    """docs/dashboard.md's Python block runs as written, and prints what it says."""
-    from tests.test_docs import BLOCKS
-
-    block = BLOCKS["docs/dashboard.md"]["mount"]
-    result = subprocess.run(  # noqa: S603 - our own interpreter on our own docs
-        [sys.executable, "-c", block.code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout == "['/tickler']\n"
 
 
 def forge(url: str, form: dict[str, str] | None = None) -> Any:

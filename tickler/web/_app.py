@@ -25,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..__main__ import redact
-from .._stores._admin import Admin
+from .._stores._admin import COUNT_CAP, Admin
 from .._stores.postgres import PostgresStore
 from .._stores.sqlite import SqliteStore
 
@@ -176,6 +176,14 @@ def pretty(value: object) -> str:
     return pprint.pformat(value, width=88, sort_dicts=False)
 
 
+def number(count: int, estimated: bool = False) -> str:
+    """A count with its thousands marked; an estimate (see QueueOverview.estimated) with
+    ``~``, or ``+`` where it is only known to be past the exact count's cap."""
+    if not estimated:
+        return f"{count:,}"
+    return f"{count:,}+" if count == COUNT_CAP else f"~{count:,}"
+
+
 def short(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -190,7 +198,12 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     environment.filters.update(
-        when=when, duration=duration, pretty=pretty, short=short, relative=relative
+        when=when,
+        duration=duration,
+        pretty=pretty,
+        short=short,
+        relative=relative,
+        number=number,
     )
     return environment
 
@@ -342,7 +355,7 @@ async def overview(dashboard: Dashboard, request: Request) -> Response:
     rows = sorted(await dashboard.admin.overview(), key=lambda row: row.queue)
     charts = {row.queue: _chart(row.per_minute) for row in rows}
     return dashboard.render(
-        request, "overview.html", rows=rows, columns=COUNT_COLUMNS, charts=charts
+        request, "overview.html", rows=rows, columns=COUNT_COLUMNS, charts=charts, cap=COUNT_CAP
     )
 
 
