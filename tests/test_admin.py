@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ import trio
 import tickler
 from tickler._stores._sync import MAX_ERROR_MESSAGE_CHARS, MAX_TRACEBACK_CHARS
 
-from .store_backends import Backend, SqliteBackend
+from .store_backends import Backend, PostgresBackend, SqliteBackend
 from .test_store_contract import backend, create_schema
 
 __all__ = ["backend"]  # the fixture, used by every test here
@@ -227,6 +228,47 @@ async def test_a_key_held_by_a_later_request_is_not_retried(backend: Backend) ->
         assert await admin.cancel("jobs", second)
         assert await admin.retry("jobs", first) is False  # the key's latest is second's
         assert await admin.retry("jobs", second) is True
+
+
+async def test_a_key_enqueued_while_a_retry_runs_leaves_the_request_final(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The retry's check passes, then a request of the key commits before the retry's row
+    is written: the retry answers False, and the request stays cancelled. On PostgreSQL
+    only: a SQLite file's writers take turns, and no such race can happen there."""
+    backend = PostgresBackend.for_test(request, tmp_path)
+    first = enqueue(backend, [1], key=lambda _: "k")[0]
+    store = backend.store()
+    async with store.admin() as admin:
+        assert await admin.cancel("jobs", first)
+        answers: list[bool] = []
+        with backend.connect(autocommit=False) as db:
+            second = store.enqueue_in(db, "jobs", 2, key="k")  # not committed yet
+            async with trio.open_nursery() as nursery:
+
+                async def retry() -> None:
+                    answers.append(await admin.retry("jobs", first))
+
+                nursery.start_soon(retry)
+                await trio.sleep(0.5)  # the retry's row waits on the uncommitted key
+                assert answers == []
+                db.commit()
+        assert answers == [False]
+        assert backend.states() == {first: "cancelled", second: "queued"}
+        # The bulk form says so: nothing of its statement is written.
+        assert await admin.cancel("jobs", second)
+        with backend.connect(autocommit=False) as db:
+            third = store.enqueue_in(db, "jobs", 3, key="k")
+            async with trio.open_nursery() as nursery:
+
+                async def retry_where() -> None:
+                    with pytest.raises(tickler.StoreError, match="nothing was retried"):
+                        await admin.retry_where("jobs", state="cancelled")
+
+                nursery.start_soon(retry_where)
+                await trio.sleep(0.5)
+                db.commit()
+        assert backend.states() == {first: "cancelled", second: "cancelled", third: "queued"}
 
 
 async def test_pause_and_resume_a_queue_without_a_service(backend: Backend) -> None:

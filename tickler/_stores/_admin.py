@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
+from .._exceptions import StoreError
 from ._sql import COUNTED, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
@@ -158,6 +159,10 @@ class AdminDialect(Dialect, Protocol):
     """The WHERE term of the store's partial index of ready rows, in its very words."""
     minute: str
     """An SQL expression of the minute (an integer count since the epoch) of finished_at."""
+
+    def key_taken(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the store refusing a second live row of a key."""
+        ...
 
     def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
         """How many rows the store estimates the query gives, without running it; None
@@ -329,16 +334,31 @@ def _retry_sql(m: str, where: str) -> str:
 
 
 def _retry(d: AdminDialect, queue: str, request_id: int) -> int:
+    """0 as well where a request of its key was enqueued while the retry ran (its key is
+    live again: the request stays as it was)."""
     if not 0 < request_id < 2**63:
         return 0
     m = d.mark
     sql = _retry_sql(m, f"queue = {m} AND id = {m}")
-    return _write(d, sql, lambda now: [now, queue, request_id], queue=queue)
+    try:
+        return _write(d, sql, lambda now: [now, queue, request_id], queue=queue)
+    except Exception as exc:
+        if d.key_taken(exc):
+            return 0
+        raise
 
 
 def _retry_where(d: AdminDialect, queue: str, f: _Filter) -> int:
     where, params = f.where(d.mark, queue)
-    return _write(d, _retry_sql(d.mark, where), lambda now: [now, *params], queue=queue)
+    try:
+        return _write(d, _retry_sql(d.mark, where), lambda now: [now, *params], queue=queue)
+    except Exception as exc:
+        if d.key_taken(exc):
+            raise StoreError(
+                "a request of the key of one of the requests to retry was enqueued while the"
+                " retry ran: nothing was retried; try again"
+            ) from None
+        raise
 
 
 def _write(

@@ -859,6 +859,11 @@ class PostgresSession:
     ready_state = _READY
     minute = "floor(finished_at / 60)::int8"
 
+    def key_taken(self, exc: BaseException) -> bool:
+        import psycopg.errors
+
+        return isinstance(exc, psycopg.errors.UniqueViolation)
+
     def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
         """The planner's estimate of the query's rows, from the table's statistics (kept
         fresh by autovacuum's analyze: see the table's settings)."""

@@ -693,6 +693,9 @@ class SqliteSession:
     ready_state = _READY
     minute = "CAST(finished_at / 60 AS INTEGER)"
 
+    def key_taken(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.IntegrityError) and "tickler_requests.queue" in str(exc)
+
     def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
         """SQLite keeps no estimate of a query's rows."""
         return None
