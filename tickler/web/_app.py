@@ -24,10 +24,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..__main__ import redact
 from .._stores._admin import COUNT_CAP, Admin
 from .._stores.postgres import PostgresStore
 from .._stores.sqlite import SqliteStore
+from .._urls import redact
 
 logger = logging.getLogger("tickler")
 

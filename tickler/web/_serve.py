@@ -49,7 +49,7 @@ def serve(
     import hypercorn.trio
     from hypercorn.config import Config
 
-    from ..__main__ import open_store, redact
+    from .._urls import open_store, redact
 
     store = open_store(url)
     config = Config()
