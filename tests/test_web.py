@@ -492,6 +492,8 @@ def test_an_action_needs_the_pages_csrf_token(
             f"/request?queue={QUEUE}&id={refused.id}&done=retry&n={refused.id}",
         )
         assert call(admin, "lookup", QUEUE, "refused").state == "queued"
+        again = client.post("/act", data={**form, "csrf": token}, follow_redirects=True)
+        assert f"Request #{refused.id} was not retried" in again.text  # it is queued now
     call(admin, "aclose")
     refusals = [r for r in caplog.records if "without a valid CSRF token" in r.getMessage()]
     assert len(refusals) == 3

@@ -69,7 +69,10 @@ NOTICES = {
     "cancel": "Cancelled request #{n} (a running attempt is cancelled by its replica).",
     "cancel-refused": "Request #{n} was not cancelled: it is already final.",
     "retry": "Request #{n} is queued to run again now.",
-    "retry-refused": "Request #{n} was not retried: only a failed or cancelled one can be.",
+    "retry-refused": (
+        "Request #{n} was not retried: only a failed or cancelled request is, and only while"
+        " no later request holds its key."
+    ),
     "pause": "Paused: no replica starts a request of this queue until it is resumed.",
     "resume": "Resumed: the queue's replicas start requests again.",
     "bulk-cancel": "Cancelled {n} request(s).",
