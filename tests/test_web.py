@@ -499,6 +499,45 @@ def test_an_action_needs_the_pages_csrf_token(
     assert len(refusals) == 3
 
 
+def test_a_bulk_retry_that_meets_a_key_taken_meanwhile_says_so(
+    postgres_dsn: str, postgres_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request of a cancelled request's key commits while the bulk retry waits on it:
+    the retry writes nothing, and the page says why, as a notice (not an error page)."""
+    import httpx
+    import psycopg
+
+    caplog.set_level("INFO", logger="tickler")
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    with psycopg.connect(postgres_dsn) as db:
+        first = store.enqueue_in(db, QUEUE, {"do": "ok"}, key="k")
+    admin = store.admin()
+    assert call(admin, "cancel", QUEUE, first)
+    with (
+        served(tickler.web.app(store)) as url,
+        httpx.Client(base_url=url) as client,
+        psycopg.connect(postgres_dsn) as db,
+    ):
+        token = client.get("/").cookies["tickler_csrf"]
+        second = store.enqueue_in(db, QUEUE, {"do": "ok"}, key="k")  # not committed yet
+        committer = threading.Timer(0.5, db.commit)  # while the retry waits on the key
+        committer.start()
+        form = {"action": "bulk-retry", "queue": QUEUE, "state": "cancelled", "csrf": token}
+        answer = client.post("/act", data=form)
+        committer.join()
+        assert answer.status_code == 303
+        assert "done=bulk-retry-refused" in answer.headers["location"]
+        page = client.get(answer.headers["location"])
+    assert page.status_code == 200
+    assert "Nothing was retried: a request of the key of one of them was enqueued" in page.text
+    assert "StoreError" not in page.text
+    assert call(admin, "lookup", QUEUE, first).state == "cancelled"
+    assert call(admin, "lookup", QUEUE, second).state == "queued"
+    call(admin, "aclose")
+    assert any("bulk-retry of queue 'mail' refused" in m for m in caplog.messages)
+
+
 async def _allow_header(request: Any) -> bool:
     await trio.sleep(0)
     return bool(request.headers.get("x-operator") == "ada")

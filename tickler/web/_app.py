@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._stores._admin import COUNT_CAP, Admin
+from .._stores._admin import COUNT_CAP, Admin, KeyTaken
 from .._stores.postgres import PostgresStore
 from .._stores.sqlite import SqliteStore
 from .._urls import redact
@@ -77,6 +77,10 @@ NOTICES = {
     "resume": "Resumed: the queue's replicas start requests again.",
     "bulk-cancel": "Cancelled {n} request(s).",
     "bulk-retry": "Queued {n} request(s) to run again now.",
+    "bulk-retry-refused": (
+        "Nothing was retried: a request of the key of one of them was enqueued while the"
+        " retry ran. Try again: the requests whose key is taken are left as they are."
+    ),
 }
 SECURITY_HEADERS = {
     # Every script and style is the package's own file: nothing inline can run.
@@ -494,7 +498,19 @@ async def act(dashboard: Dashboard, request: Request) -> Response:
     if action in ("bulk-cancel", "bulk-retry"):
         filters = _filters(form)
         where = admin.cancel_where if action == "bulk-cancel" else admin.retry_where
-        count = await where(queue, **filters)
+        try:
+            count = await where(queue, **filters)
+        except KeyTaken:
+            # A key enqueued meanwhile: the statement wrote nothing (see retry_where).
+            logger.info(
+                "dashboard: %s of queue %r refused: a key was taken meanwhile (by %s)",
+                action,
+                queue,
+                who,
+            )
+            return _redirect(
+                link(root, "requests", queue=queue, **filters, done=f"{action}-refused", n=0)
+            )
         logger.info(
             "dashboard: %s of queue %r where %s: %d request(s) (by %s)",
             action,
