@@ -431,6 +431,68 @@ async def test_the_overview_reads_counts_times_and_rates(backend: Backend) -> No
     assert sum(overviews["quiet"].counts.values()) == 1
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+async def test_the_overview_per_minute_and_percentiles_are_those_of_the_rows(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows ended by UPDATEs as replicas end them (several rows a statement, two owners,
+    their owner cleared as they end), finished over the last 90 minutes: each minute's
+    succeeded and failed are those of the rows, and the percentiles those of the latest
+    PERCENTILE_ROWS rows of the hour."""
+    from tickler._stores import _admin
+
+    monkeypatch.setattr(_admin, "PERCENTILE_ROWS", 40)
+    ids = enqueue(backend, list(range(120)))
+    requests, m = backend.table("tickler_requests"), backend.mark
+    now = time.time()
+    with backend.connect() as db:
+        for n, request_id in enumerate(ids):
+            # Each row its own finish (over the last 90 minutes), start and due.
+            finished = now - 5400 + 45 * n + (n % 7)
+            started = finished - 0.5 * (n % 11) - 0.25
+            due = started - 0.125 * (n % 13)
+            db.execute(
+                f"UPDATE {requests} SET state = 'running', owner = {m}, run_at = {m},"  # noqa: S608
+                f" started_at = {m}, finished_at = {m} WHERE id = {m}",
+                (f"replica-{n % 2}", due, started, finished, request_id),
+            )
+        # Ended ten statements of twelve rows each, as the replicas end them.
+        for chunk in range(10):
+            some = ", ".join(str(i) for i in ids[chunk * 12 : chunk * 12 + 12])
+            failed = ", ".join(str(i) for i in ids[chunk * 12 : chunk * 12 + 12 : 5])
+            db.execute(
+                f"UPDATE {requests} SET state = CASE WHEN id IN ({failed}) THEN 'failed'"  # noqa: S608
+                f" ELSE 'succeeded' END, owner = NULL WHERE id IN ({some})"
+            )
+        rows = db.execute(
+            f"SELECT state, run_at, started_at, finished_at FROM {requests}"  # noqa: S608
+        ).fetchall()
+    async with backend.store().admin() as admin:
+        (overview,) = await admin.overview()
+    first = overview.per_minute[0][0]
+    expected = {start: [0, 0] for start, _, _ in overview.per_minute}
+    for state, _, _, finished in rows:
+        start = math.floor(finished / 60) * 60.0
+        if start >= first:
+            expected[start][state == "failed"] += 1
+    assert [(start, s, f) for start, s, f in overview.per_minute] == [
+        (start, s, f) for start, (s, f) in sorted(expected.items())
+    ]
+    assert sum(s + f for _, s, f in overview.per_minute) > 60  # most rows, not all
+    latest = sorted(rows, key=lambda row: row[3])[-40:]
+    assert latest[0][3] > now - 3000  # all within the hour
+    waits = [started - due for _, due, started, _ in latest]
+    runs = [finished - started for _, _, started, finished in latest]
+    assert overview.wait_p50 == pytest.approx(nearest_rank(waits, 0.5))
+    assert overview.wait_p95 == pytest.approx(nearest_rank(waits, 0.95))
+    assert overview.run_p50 == pytest.approx(nearest_rank(runs, 0.5))
+    assert overview.run_p95 == pytest.approx(nearest_rank(runs, 0.95))
+
+
 async def test_the_overview_estimates_a_state_past_its_cap(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -153,8 +153,77 @@ CREATE INDEX IF NOT EXISTS tickler_by_state ON tickler_requests (queue, state, i
 CREATE INDEX IF NOT EXISTS tickler_by_group ON tickler_requests (queue, group_name, state, id)
     WHERE group_name IS NOT NULL;
 CREATE INDEX IF NOT EXISTS tickler_finished_by_queue ON tickler_requests (queue, finished_at)
-    INCLUDE (state, run_at, started_at) WHERE finished_at IS NOT NULL
+    INCLUDE (state, run_at, started_at) WHERE finished_at IS NOT NULL;
+{_MINUTES}
 """
+
+# Version 4 also keeps the overview's finished requests per minute, which counting the
+# rows of a busy hour (a million) would take too long for: each UPDATE that ends rows
+# SUCCEEDED or FAILED adds them to their minute's row, one row per (queue, minute,
+# owner) so that replicas never write the same row. One statement-level trigger per
+# UPDATE, reading its rows from the transition tables; a statement ending none writes
+# nothing. A replica's first finish of a minute drops rows two hours old (those locked
+# by another's are left to the next). The rows finished within the last two hours are
+# counted in on creation (owner '').
+_MINUTES = """
+CREATE TABLE IF NOT EXISTS tickler_minutes (
+    queue TEXT NOT NULL,
+    minute BIGINT NOT NULL,
+    owner TEXT NOT NULL,
+    succeeded BIGINT NOT NULL,
+    failed BIGINT NOT NULL,
+    PRIMARY KEY (queue, minute, owner)
+);
+CREATE OR REPLACE FUNCTION tickler_count_finished() RETURNS trigger LANGUAGE plpgsql
+SET search_path FROM CURRENT AS $$
+DECLARE
+    newest BIGINT;
+BEGIN
+    WITH ended AS (
+        SELECT n.queue, floor(n.finished_at / 60)::int8 AS minute,
+            coalesce(o.owner, '') AS owner,
+            count(*) FILTER (WHERE n.state = 'succeeded') AS succeeded,
+            count(*) FILTER (WHERE n.state = 'failed') AS failed
+        FROM tickler_new AS n JOIN tickler_old AS o ON o.id = n.id
+        WHERE n.state IN ('succeeded', 'failed') AND o.state NOT IN ('succeeded', 'failed')
+            AND n.finished_at IS NOT NULL
+        GROUP BY 1, 2, 3
+    ), added AS (
+        INSERT INTO tickler_minutes AS m (queue, minute, owner, succeeded, failed)
+        SELECT * FROM ended
+        ON CONFLICT (queue, minute, owner) DO UPDATE
+            SET succeeded = m.succeeded + excluded.succeeded,
+                failed = m.failed + excluded.failed
+        RETURNING minute, xmax = 0 AS inserted
+    )
+    SELECT max(minute) INTO newest FROM added WHERE inserted;
+    IF newest IS NOT NULL THEN
+        DELETE FROM tickler_minutes WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM tickler_minutes WHERE minute < newest - 120
+            FOR UPDATE SKIP LOCKED));
+    END IF;
+    RETURN NULL;
+END $$;
+DROP TRIGGER IF EXISTS tickler_count_finished ON tickler_requests;
+CREATE TRIGGER tickler_count_finished AFTER UPDATE ON tickler_requests
+    REFERENCING OLD TABLE AS tickler_old NEW TABLE AS tickler_new
+    FOR EACH STATEMENT EXECUTE FUNCTION tickler_count_finished();
+{_BACKFILL}
+"""
+
+# The finished rows of the last two hours, counted into tickler_minutes (where none are).
+BACKFILL_MINUTES = """
+INSERT INTO tickler_minutes (queue, minute, owner, succeeded, failed)
+SELECT queue, floor(finished_at / 60)::int8, '',
+    count(*) FILTER (WHERE state = 'succeeded'), count(*) FILTER (WHERE state = 'failed')
+FROM tickler_requests
+WHERE finished_at >= extract(epoch FROM now()) - 7200 AND finished_at IS NOT NULL
+    AND state IN ('succeeded', 'failed')
+GROUP BY 1, 2
+ON CONFLICT DO NOTHING
+"""
+
+_V4 = _V4.format(_MINUTES=_MINUTES.format(_BACKFILL=BACKFILL_MINUTES))
 
 _SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3, _V4=_V4)
 
@@ -1094,9 +1163,8 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
                     " give tickler a schema of its own"
                 )
             db.execute(f'SET LOCAL search_path TO "{schema}"')
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            for statement in _statements(_SCHEMA):
+                db.execute(statement)
             db.execute("INSERT INTO tickler_schema VALUES (%s)", (SCHEMA_VERSION,))
         else:
             _migrate(db, schema)
@@ -1109,6 +1177,19 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
         )
 
 
+def _statements(script: str) -> list[str]:
+    """The statements of a script, split at its semicolons but those of a $$-quoted body."""
+    found = [""]
+    for i, part in enumerate(script.split("$$")):
+        if i % 2:
+            found[-1] += f"$${part}$$"
+        else:
+            first, *rest = part.split(";")
+            found[-1] += first
+            found += rest
+    return [statement for statement in found if statement.strip()]
+
+
 def _migrate(db: psycopg.Connection[Any], schema: str) -> None:
     """Bring an older schema to SCHEMA_VERSION, one version at a time, in the caller's
     transaction (which holds the schema's advisory lock)."""
@@ -1118,9 +1199,8 @@ def _migrate(db: psycopg.Connection[Any], schema: str) -> None:
     version = row[0]
     db.execute(f'SET LOCAL search_path TO "{schema}"')
     while version in _MIGRATIONS:
-        for statement in _MIGRATIONS[version].split(";"):
-            if statement.strip():
-                db.execute(statement)
+        for statement in _statements(_MIGRATIONS[version]):
+            db.execute(statement)
         version += 1
     db.execute("UPDATE tickler_schema SET version = %s", (version,))
 

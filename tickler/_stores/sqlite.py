@@ -193,10 +193,46 @@ _ADMIN_INDEXES = (
 )
 
 
+# Version 5 also keeps the overview's finished requests per minute, which counting the
+# rows of a busy hour would take too long for: a row trigger adds each row ended
+# SUCCEEDED or FAILED to its (queue, minute, owner) row (SQLite has one writer at a time),
+# and drops the queue's rows two hours older. The rows finished within the last two
+# hours are counted in on creation (owner '').
+_MINUTES = (
+    "CREATE TABLE IF NOT EXISTS tickler_minutes ("
+    " queue TEXT NOT NULL, minute INTEGER NOT NULL, owner TEXT NOT NULL,"
+    " succeeded INTEGER NOT NULL, failed INTEGER NOT NULL,"
+    " PRIMARY KEY (queue, minute, owner)) WITHOUT ROWID",
+    "CREATE TRIGGER IF NOT EXISTS tickler_count_finished AFTER UPDATE OF state"
+    " ON tickler_requests"
+    " WHEN NEW.state IN ('succeeded', 'failed') AND OLD.state NOT IN ('succeeded', 'failed')"
+    " AND NEW.finished_at IS NOT NULL"
+    " BEGIN"
+    " INSERT INTO tickler_minutes (queue, minute, owner, succeeded, failed)"
+    " VALUES (NEW.queue, CAST(NEW.finished_at / 60 AS INTEGER), coalesce(OLD.owner, ''),"
+    " NEW.state = 'succeeded', NEW.state = 'failed')"
+    " ON CONFLICT (queue, minute, owner) DO UPDATE"
+    " SET succeeded = succeeded + excluded.succeeded, failed = failed + excluded.failed;"
+    " DELETE FROM tickler_minutes WHERE queue = NEW.queue"
+    " AND minute < CAST(NEW.finished_at / 60 AS INTEGER) - 120;"
+    " END",
+)
+
+# The finished rows of the last two hours, counted into tickler_minutes (where none are).
+BACKFILL_MINUTES = (
+    "INSERT INTO tickler_minutes (queue, minute, owner, succeeded, failed)"
+    " SELECT queue, CAST(finished_at / 60 AS INTEGER), '',"
+    " sum(state = 'succeeded'), sum(state = 'failed') FROM tickler_requests"
+    " WHERE finished_at >= CAST(strftime('%s', 'now') AS REAL) - 7200"
+    " AND finished_at IS NOT NULL AND state IN ('succeeded', 'failed')"
+    " GROUP BY 1, 2 ON CONFLICT DO NOTHING"
+)
+
+
 def _to_v5(db: sqlite3.Connection) -> None:
-    """Version 5: the admin API's indexes. A step of its own, skipped where the file
-    already has it."""
-    for create in _ADMIN_INDEXES:
+    """Version 5: the admin API's indexes, and its count of the finished per minute. A
+    step of its own, skipped where the file already has it."""
+    for create in (*_ADMIN_INDEXES, *_MINUTES, BACKFILL_MINUTES):
         db.execute(create)
 
 
