@@ -23,6 +23,7 @@ from typing import Any
 import trio
 
 import tickler
+from tickler._stores.postgres import BACKFILL_MINUTES
 
 from . import postgres
 from ._table import Row
@@ -98,6 +99,8 @@ def fill(
     with psycopg.connect(dsn, autocommit=True) as db:
         db.execute(f"SET search_path TO {schema}")
         db.execute(_FILL, {"queue": QUEUE, "rows": rows, "now": time.time(), "spread": spread})
+        # Rows inserted finished: counted per minute as the schema's migration counts them.
+        db.execute(BACKFILL_MINUTES)
         db.execute("VACUUM ANALYZE tickler_requests")
     out(f"admin: filled {rows:,} rows in {schema} in {time.perf_counter() - started:.1f} s")
 
