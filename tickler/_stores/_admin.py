@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
-from .._exceptions import StoreError
+from .._exceptions import KeyTaken
 from ._sql import COUNTED, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
@@ -177,10 +177,6 @@ class AdminDialect(Dialect, Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class KeyTaken(StoreError):
-    """retry_where() met a request of a key enqueued while it ran: it wrote nothing."""
 
 
 def _check_queue(queue: object) -> str:

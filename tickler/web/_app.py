@@ -24,7 +24,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._stores._admin import COUNT_CAP, Admin, KeyTaken
+from .._exceptions import KeyTaken
+from .._stores._admin import COUNT_CAP, Admin
 from .._stores.postgres import PostgresStore
 from .._stores.sqlite import SqliteStore
 from .._urls import redact
