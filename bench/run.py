@@ -3,6 +3,7 @@
     python -m bench            # the full run (a few minutes)
     python -m bench --quick    # a tiny smoke run, as CI does
     python -m bench --postgres-only    # only the PostgreSQL rows (bench/postgres.py)
+    python -m bench --admin    # only the admin API's rows (bench/admin.py)
 
 Every figure is a median over rounds; within a round the variants run one
 after another, so drift hits them alike. Ratios compare variants measured in
@@ -37,7 +38,7 @@ import trio
 
 import tickler
 
-from . import postgres
+from . import admin, postgres
 from ._table import Row, markdown
 
 T = TypeVar("T")
@@ -1004,6 +1005,11 @@ def main(argv: list[str] | None = None) -> None:
         " no latency nor enqueue rows; tickler-drain: tickler's two drains alone)",
     )
     parser.add_argument(
+        "--admin",
+        action="store_true",
+        help="only the admin API's rows on a PostgreSQL queue of 1,000,000 (bench/admin.py)",
+    )
+    parser.add_argument(
         "--no-gc",
         action="store_true",
         help="disable the garbage collector for the whole run, to see what it costs",
@@ -1025,6 +1031,10 @@ def main(argv: list[str] | None = None) -> None:
     def out(line: str) -> None:
         print(line, file=sys.stderr)
 
+    if args.admin:
+        rows = admin.run(admin.QUICK if args.quick else admin.AdminConfig(), out)
+        print("\n".join(markdown(rows)))
+        return
     table = postgres.run(config.postgres, out) if args.postgres_only else run(config, out)
     print(render(table, config))
     if args.no_gc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -114,6 +115,12 @@ OUTPUTS = {
         "0s - audit entry\n0s blog create\n0s shop create\n1s blog dns\n1s shop dns\n"
         "2s blog tls\n2s shop tls\n"
     ),
+    ("docs/operating.md", "admin-api"): (
+        "['mail']\nTrue True\n2\n"
+        "[(3, 'queued', 'c@example.com'), (2, 'cancelled', 'b@example.com')] 2\n"
+        "[(1, 'cancelled')] None\nTrue\n1\n3 1\n3\n"
+    ),
+    ("docs/dashboard.md", "mount"): "['/tickler']\n",
     ("docs/observability.md", "prometheus"): (
         'tickler_requests_succeeded_total{service="mailer"} 3.0\n'
     ),
@@ -160,6 +167,40 @@ def test_python_block_prints_what_it_shows(tmp_path: Path, page: str, name: str)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == OUTPUTS[page, name]
+
+
+def test_the_operating_page_shows_what_its_blocks_print(tmp_path: Path) -> None:
+    """docs/operating.md: the admin block's output as shown, then each command of its
+    console block, run as a real process in the same directory, prints what it shows."""
+    blocks = BLOCKS["docs/operating.md"]
+    assert blocks["admin-api-output"].code == OUTPUTS["docs/operating.md", "admin-api"]
+    subprocess.run(  # noqa: S603 - our own interpreter on our own docs
+        [sys.executable, "-c", blocks["admin-api"].code],
+        cwd=tmp_path,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    steps: list[tuple[str, list[str]]] = []
+    for line in blocks["cli"].code.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        else:
+            steps[-1][1].append(line)
+    assert len(steps) == 4
+    for command, shown in steps:
+        words = shlex.split(command)
+        assert words[:3] == ["python", "-m", "tickler"]
+        result = subprocess.run(  # noqa: S603 - our own interpreter on our own docs
+            [sys.executable, *words[1:]],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert result.stderr == ""
+        assert result.stdout.splitlines() == shown, command
 
 
 def test_readme_is_a_front_door() -> None:

@@ -20,6 +20,11 @@ from ._service import open_service as open_service
 from ._statistics import TIME_BUCKETS as TIME_BUCKETS
 from ._statistics import Histogram as Histogram
 from ._statistics import ServiceStatistics as ServiceStatistics
+from ._stores._admin import Admin as Admin
+from ._stores._admin import AdminPage as AdminPage
+from ._stores._admin import AdminRequest as AdminRequest
+from ._stores._admin import QueueOverview as QueueOverview
+from ._stores._admin import Replica as Replica
 from ._stores.postgres import PostgresStore as PostgresStore
 from ._stores.sqlite import SqliteStore as SqliteStore
 from ._ticket import Status as Status
@@ -27,6 +32,9 @@ from ._ticket import Ticket as Ticket
 
 __all__ = [
     "TIME_BUCKETS",
+    "Admin",
+    "AdminPage",
+    "AdminRequest",
     "Codec",
     "Histogram",
     "JsonCodec",
@@ -34,6 +42,8 @@ __all__ = [
     "Periodic",
     "PostgresStore",
     "QueueFull",
+    "QueueOverview",
+    "Replica",
     "RequestCancelled",
     "RequestFailed",
     "Retry",

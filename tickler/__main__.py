@@ -1,10 +1,15 @@
-"""python -m tickler: look at a store, pause and resume its queues.
+"""python -m tickler: look at a store, act on its queues and requests, serve its dashboard.
 
 - ``inspect URL``: each queue's counts by status and latest failures,
   whether it is paused, its per-group limits if it has any, and its busiest
   groups (the most running first, then the most ready).
 - ``pause URL QUEUE``: the queue's services, in every process, claim nothing
   more (what they run goes on) until ``resume URL QUEUE``.
+- ``cancel URL QUEUE ID_OR_KEY...``: cancel requests (a running one through
+  its replica, within one poll_interval); ``retry URL QUEUE ID...``: queue
+  failed or cancelled requests again. Both through ``store.admin()``.
+- ``migrate URL``: create the store's schema, or bring it up to date.
+- ``web URL``: serve the dashboard (tickler.web, the ``web`` extra).
 
 URL is sqlite:///relative.db, sqlite:////absolute.db, or a postgresql:// DSN
 (with --schema, "tickler" by default). A password in the URL is never printed:
@@ -16,70 +21,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import re
+import json
+import os
 import sys
 import traceback
-import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import trio
+
+from ._exceptions import StoreError
 from ._stores import postgres, sqlite
 from ._stores._sql import QueueReport
+from ._urls import _PREFIX, _is_postgres, open_store, redact
 
-_PREFIX = "sqlite:///"
+__all__ = ["main", "open_store", "redact"]
+
 _LATEST_FAILURES = 5
-_MASK = "***"
-
-# A URL's user:password@, up to the last @ before a /: libpq and urllib split a
-# password that holds @ differently, and both readings must be hidden.
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@'\"]*:)[^\s/'\"]*@")
-# password=... in a key=value connection string or a URL's query: quoted, or a
-# word; in a message, a word ends at a quote too.
-_KEYWORD_PASSWORD = re.compile(r"\bpassword\s*=\s*('(?:[^'\\]|\\.)*'?|\S*)", re.IGNORECASE)
-_MESSAGE_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s'\"]*)", re.IGNORECASE)
-_QUERY_PASSWORD = re.compile(r"[?&]password=([^&#\s]*)", re.IGNORECASE)
-
-
-def _passwords(source: str) -> set[str]:
-    """The passwords ``source`` may hold, as written and decoded, and their parts.
-
-    ``source`` is a URL or a key=value connection string as the user typed it,
-    well formed or not: libpq quotes a malformed one, or a piece of it, in its errors.
-    """
-    found: set[str] = set()
-    for match in re.finditer(r"://(\S*)", source):
-        rest = match.group(1)
-        libpq = re.match(r"[^@/]*(?=@)", rest)  # libpq: user info ends at the first @ or /
-        readings = [
-            libpq.group() if libpq else "",
-            re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[0],  # urllib
-            re.split(r"[?#]", rest, maxsplit=1)[0].rpartition("@")[0],  # a / in the password
-        ]
-        for userinfo in readings:
-            if ":" in userinfo:
-                password = userinfo.partition(":")[2]
-                found.add(password)
-                found.update(re.split(r"[@/?#]", password))
-        found.update(_QUERY_PASSWORD.findall(rest))
-    for match in _KEYWORD_PASSWORD.finditer(source):
-        value = match.group(1)
-        if value.startswith("'"):
-            value = value[1:-1] if len(value) > 1 and value.endswith("'") else value[1:]
-        found.update((match.group(1), value, re.sub(r"\\(.)", r"\1", value)))
-    found.update([urllib.parse.unquote(password) for password in found])
-    found.discard("")
-    return found
-
-
-def redact(text: str, sources: Iterable[str] = ()) -> str:
-    """``text`` with the passwords of ``sources``, and those of URLs in it, as ***."""
-    secrets: set[str] = set()
-    for source in sources:
-        secrets |= _passwords(source)
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, _MASK)
-    text = _URL_PASSWORD.sub(rf"\1{_MASK}@", text)
-    return _MESSAGE_PASSWORD.sub(rf"\1{_MASK}", text)
 
 
 def _limit(limit: tuple[int | None, int | None, float]) -> str:
@@ -154,6 +113,106 @@ def set_paused_url(url: str, schema: str, queue: str, paused: bool) -> str:
     return f"{done} queue {queue!r} of {where}: {more}"
 
 
+def _where(url: str, schema: str) -> str:
+    """The store as messages name it: its URL, password hidden, and schema."""
+    shown = redact(url, [url])
+    return f"{shown} (schema {schema!r})" if _is_postgres(url) else shown
+
+
+def _id_or_key(text: str, keys: bool) -> int | str | tuple[Any, ...]:
+    """A command line's request: digits are an id, a JSON array a tuple key, else a str key
+    (every one a str key with --keys)."""
+    if keys:
+        return text
+    if text.isascii() and text.isdigit():
+        return int(text)
+    if text.startswith("["):
+        try:
+            found = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(found, list):
+            return tuple(found)
+    return text
+
+
+def cancel_url(
+    url: str, schema: str, queue: str, targets: Sequence[str], keys: bool
+) -> tuple[str, bool]:
+    """Cancel each request of ``targets``; the lines saying what was done, and whether
+    every one was cancelled (or its cancel asked of its replica)."""
+    store = open_store(url, schema=schema)
+
+    async def run() -> tuple[list[str], bool]:
+        lines, every = [], True
+        async with store.admin() as admin:
+            for text in targets:
+                target = _id_or_key(text, keys)
+                shown = f"#{target}" if isinstance(target, int) else f"key {text!r}"
+                if not await admin.cancel(queue, target):
+                    lines.append(f"not cancelled: {shown} is final, or not a request of {queue!r}")
+                    every = False
+                    continue
+                row = await admin.lookup(queue, target)
+                if row is not None and row.state == "running":
+                    lines.append(
+                        f"asked the replica running {shown} (#{row.id}) to cancel it: it ends"
+                        " cancelled within one poll_interval"
+                    )
+                else:
+                    by_key = "" if row is None or isinstance(target, int) else f" (#{row.id})"
+                    lines.append(f"cancelled {shown}{by_key}")
+        return lines, every
+
+    lines, every = trio.run(run)
+    return "\n".join(lines), every
+
+
+def retry_url(url: str, schema: str, queue: str, ids: Sequence[int]) -> tuple[str, bool]:
+    """Queue each failed or cancelled request of ``ids`` again; the lines saying what was
+    done, and whether every one was."""
+    store = open_store(url, schema=schema)
+
+    async def run() -> tuple[list[str], bool]:
+        lines, every = [], True
+        async with store.admin() as admin:
+            for request_id in ids:
+                if await admin.retry(queue, request_id):
+                    lines.append(f"queued #{request_id} again: it runs at the next claim")
+                else:
+                    lines.append(
+                        f"not retried: #{request_id} is not a failed or cancelled request of"
+                        f" {queue!r}, or a later request holds its key"
+                    )
+                    every = False
+        return lines, every
+
+    lines, every = trio.run(run)
+    return "\n".join(lines), every
+
+
+def migrate_url(url: str, schema: str) -> str:
+    """Create the store's schema, or bring it up to date; the line saying so."""
+    store = open_store(url, schema=schema, create=True)
+    try:
+        store.create_schema()
+    except StoreError as exc:
+        raise ValueError(str(exc)) from None
+    version = postgres.SCHEMA_VERSION if _is_postgres(url) else sqlite.SCHEMA_VERSION
+    return f"{_where(url, schema)}: tickler schema version {version}"
+
+
+def _basic_auth(given: str | None) -> tuple[str, str] | None:
+    """--basic-auth USER:PASSWORD, else TICKLER_WEB_BASIC_AUTH, else None."""
+    text = given if given is not None else os.environ.get("TICKLER_WEB_BASIC_AUTH")
+    if text is None:
+        return None
+    user, colon, password = text.partition(":")
+    if not colon or not user or not password:
+        raise ValueError("--basic-auth (or TICKLER_WEB_BASIC_AUTH) must be USER:PASSWORD")
+    return user, password
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tickler")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +233,42 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--schema", default="tickler", help="with PostgreSQL (default tickler)"
         )
+    url_help = "sqlite:///path/to/file.db or a postgresql:// DSN"
+    schema_help = "with PostgreSQL (default tickler)"
+    cancel = commands.add_parser(
+        "cancel",
+        help="cancel requests: at once, or through the replica running them",
+    )
+    cancel.add_argument("url", help=url_help)
+    cancel.add_argument("queue", help="the queue's name (its services' name)")
+    cancel.add_argument(
+        "targets",
+        nargs="+",
+        metavar="ID_OR_KEY",
+        help="a request's id (digits), a str key, or a tuple key as a JSON array",
+    )
+    cancel.add_argument("--keys", action="store_true", help="take every ID_OR_KEY as a str key")
+    cancel.add_argument("--schema", default="tickler", help=schema_help)
+    retry = commands.add_parser("retry", help="queue failed or cancelled requests again, now")
+    retry.add_argument("url", help=url_help)
+    retry.add_argument("queue", help="the queue's name (its services' name)")
+    retry.add_argument("ids", nargs="+", type=int, metavar="ID", help="a request's id")
+    retry.add_argument("--schema", default="tickler", help=schema_help)
+    migrate = commands.add_parser(
+        "migrate", help="create the store's schema, or bring it up to date, with no service"
+    )
+    migrate.add_argument("url", help=url_help)
+    migrate.add_argument("--schema", default="tickler", help=schema_help)
+    web = commands.add_parser("web", help="serve the dashboard (needs the web extra)")
+    web.add_argument("url", help=url_help)
+    web.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
+    web.add_argument("--port", type=int, default=8000, help="the port (8000)")
+    web.add_argument("--read-only", action="store_true", help="show and take no actions")
+    web.add_argument(
+        "--basic-auth",
+        metavar="USER:PASSWORD",
+        help="require HTTP Basic auth (or set TICKLER_WEB_BASIC_AUTH=USER:PASSWORD)",
+    )
     return parser
 
 
@@ -188,18 +283,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parser.parse_args(argv)
     finally:
         sys.stderr.write(redact(errors.getvalue(), argv))
+    secrets = [os.environ.get("TICKLER_WEB_BASIC_AUTH", "").partition(":")[2]]
+    if getattr(args, "basic_auth", None):
+        secrets.append(args.basic_auth.partition(":")[2])
+    status = 0
     try:
         if args.command == "inspect":
             done = inspect_url(args.url, args.schema)
-        else:
+        elif args.command in ("pause", "resume"):
             done = set_paused_url(args.url, args.schema, args.queue, args.command == "pause")
-        print(redact(done, argv))
-    except ValueError as exc:
-        print(redact(f"python -m tickler: {exc}", argv), file=sys.stderr)
+        elif args.command == "cancel":
+            done, every = cancel_url(args.url, args.schema, args.queue, args.targets, args.keys)
+            status = 0 if every else 1
+        elif args.command == "retry":
+            done, every = retry_url(args.url, args.schema, args.queue, args.ids)
+            status = 0 if every else 1
+        elif args.command == "migrate":
+            done = migrate_url(args.url, args.schema)
+        else:
+            return _web(args)
+        print(redact(done, argv, secrets))
+    except (ValueError, TypeError, StoreError) as exc:
+        print(redact(f"python -m tickler: {exc}", argv, secrets), file=sys.stderr)
         return 2
     except Exception:
-        sys.stderr.write(redact(traceback.format_exc(), argv))
+        sys.stderr.write(redact(traceback.format_exc(), argv, secrets))
         return 1
+    return status
+
+
+def _web(args: argparse.Namespace) -> int:
+    """Serve the dashboard until interrupted."""
+    basic_auth = _basic_auth(args.basic_auth)
+    try:
+        from .web import serve
+    except ImportError as exc:
+        raise ValueError(
+            f"the dashboard needs the web extra: pip install 'trio-tickler[web]' ({exc})"
+        ) from None
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(
+            args.url,
+            host=args.host,
+            port=args.port,
+            read_only=args.read_only,
+            basic_auth=basic_auth,
+        )
     return 0
 
 

@@ -25,6 +25,11 @@ class StoreError(TicklerError):
     """A store cannot be used: not a database, a foreign schema, a file that cannot be opened."""
 
 
+class KeyTaken(StoreError):
+    """An admin's retry_where() met a request of a key enqueued while it ran: it wrote
+    nothing, and may be tried again."""
+
+
 class RequestFailed(TicklerError):
     """A request's failure as the store keeps it: as text, from whichever process ran it.
 

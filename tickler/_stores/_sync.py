@@ -950,8 +950,8 @@ class StoreSync:
             return
         text = (
             _storable(type(exc).__name__),
-            _storable(str(exc)),
-            _storable(_format_exception(exc)),
+            _bounded(_storable(str(exc)), MAX_ERROR_MESSAGE_CHARS),
+            _bounded(_storable(_format_exception(exc)), MAX_TRACEBACK_CHARS),
         )
         retry = engine._outcomes.retry
         if retry is not None and retry.should_retry(ticket.attempts, exc):
@@ -963,6 +963,23 @@ class StoreSync:
             engine._outcomes.log_retry(ticket, exc, delay, context)
             return
         self.record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
+
+
+# What a row keeps of an attempt's error at most, in characters: its message, and its
+# traceback (what a deep recursion or an exception group's can grow to). The rest is cut
+# from the middle: the head says where it began, the tail where it ended, and what.
+MAX_ERROR_MESSAGE_CHARS = 4_000
+MAX_TRACEBACK_CHARS = 20_000
+
+
+def _bounded(text: str, limit: int) -> str:
+    """``text``, or its head and tail with a line saying how much was cut between them."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    note = "\n[... {} characters cut ...]\n"
+    tail = limit - head - len(note.format(len(text)))
+    return text[:head] + note.format(len(text) - head - tail) + text[-tail:]
 
 
 def _storable(text: str) -> str:

@@ -14,10 +14,11 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from ._admin import Admin
 from ._pg_listen import Listener
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
@@ -46,7 +47,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+
+_T = TypeVar("_T")
 
 # A schema's name also names its NOTIFY channel, "tickler_" + schema, which
 # PostgreSQL caps at 63 bytes.
@@ -89,7 +92,8 @@ CREATE INDEX tickler_running ON tickler_requests (queue, lease_until)
 CREATE INDEX tickler_finished ON tickler_requests (finished_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled');
 {_V2};
-{_V3}
+{_V3};
+{_V4}
 """
 
 # Version 2, from version 1: each row's priority and the time until which it holds its
@@ -139,10 +143,93 @@ CREATE INDEX IF NOT EXISTS tickler_starts_by_group
     ON tickler_starts (queue, group_name, started_at)
 """
 
-_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3)
+# Version 4, from version 3: the indexes the admin API reads on (tickler._stores._admin):
+# each queue's rows by state, newest first (pages, counts, the queues); a group's
+# likewise, for the rows of a group only; and the rows finished, by queue and time,
+# holding what the overview reads of them. A step of its own, skipped where the schema
+# already has it. (Each index is built under a lock that holds writes back until it is
+# done.)
+_V4 = """
+CREATE INDEX IF NOT EXISTS tickler_by_state ON tickler_requests (queue, state, id);
+CREATE INDEX IF NOT EXISTS tickler_by_group ON tickler_requests (queue, group_name, state, id)
+    WHERE group_name IS NOT NULL;
+CREATE INDEX IF NOT EXISTS tickler_finished_by_queue ON tickler_requests (queue, finished_at)
+    INCLUDE (state, run_at, started_at) WHERE finished_at IS NOT NULL;
+{_MINUTES}
+"""
+
+# Version 4 also keeps the overview's finished requests per minute, which counting the
+# rows of a busy hour (a million) would take too long for: each UPDATE that ends rows
+# SUCCEEDED or FAILED adds them to their minute's row, one row per (queue, minute,
+# owner) so that replicas never write the same row. One statement-level trigger per
+# UPDATE, reading its rows from the transition tables; a statement ending none writes
+# nothing. A replica's first finish of a minute drops rows two hours old (those locked
+# by another's are left to the next). The rows finished within the last two hours are
+# counted in on creation (owner '').
+_MINUTES = """
+CREATE TABLE IF NOT EXISTS tickler_minutes (
+    queue TEXT NOT NULL,
+    minute BIGINT NOT NULL,
+    owner TEXT NOT NULL,
+    succeeded BIGINT NOT NULL,
+    failed BIGINT NOT NULL,
+    PRIMARY KEY (queue, minute, owner)
+);
+CREATE OR REPLACE FUNCTION tickler_count_finished() RETURNS trigger LANGUAGE plpgsql
+SET search_path FROM CURRENT AS $$
+DECLARE
+    newest BIGINT;
+BEGIN
+    WITH ended AS (
+        SELECT n.queue, floor(n.finished_at / 60)::int8 AS minute,
+            coalesce(o.owner, '') AS owner,
+            count(*) FILTER (WHERE n.state = 'succeeded') AS succeeded,
+            count(*) FILTER (WHERE n.state = 'failed') AS failed
+        FROM tickler_new AS n JOIN tickler_old AS o ON o.id = n.id
+        WHERE n.state IN ('succeeded', 'failed') AND o.state NOT IN ('succeeded', 'failed')
+            AND n.finished_at IS NOT NULL
+        GROUP BY 1, 2, 3
+    ), added AS (
+        INSERT INTO tickler_minutes AS m (queue, minute, owner, succeeded, failed)
+        SELECT * FROM ended
+        ON CONFLICT (queue, minute, owner) DO UPDATE
+            SET succeeded = m.succeeded + excluded.succeeded,
+                failed = m.failed + excluded.failed
+        RETURNING minute, xmax = 0 AS inserted
+    )
+    SELECT max(minute) INTO newest FROM added WHERE inserted;
+    IF newest IS NOT NULL THEN
+        DELETE FROM tickler_minutes WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM tickler_minutes WHERE minute < newest - 120
+            FOR UPDATE SKIP LOCKED));
+    END IF;
+    RETURN NULL;
+END $$;
+DROP TRIGGER IF EXISTS tickler_count_finished ON tickler_requests;
+CREATE TRIGGER tickler_count_finished AFTER UPDATE ON tickler_requests
+    REFERENCING OLD TABLE AS tickler_old NEW TABLE AS tickler_new
+    FOR EACH STATEMENT EXECUTE FUNCTION tickler_count_finished();
+{_BACKFILL}
+"""
+
+# The finished rows of the last two hours, counted into tickler_minutes (where none are).
+BACKFILL_MINUTES = """
+INSERT INTO tickler_minutes (queue, minute, owner, succeeded, failed)
+SELECT queue, floor(finished_at / 60)::int8, '',
+    count(*) FILTER (WHERE state = 'succeeded'), count(*) FILTER (WHERE state = 'failed')
+FROM tickler_requests
+WHERE finished_at >= extract(epoch FROM now()) - 7200 AND finished_at IS NOT NULL
+    AND state IN ('succeeded', 'failed')
+GROUP BY 1, 2
+ON CONFLICT DO NOTHING
+"""
+
+_V4 = _V4.format(_MINUTES=_MINUTES.format(_BACKFILL=BACKFILL_MINUTES))
+
+_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3, _V4=_V4)
 
 # From each older version, the statements that bring a schema to the next one.
-_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3}
+_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3, 3: _V4}
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
@@ -534,6 +621,14 @@ class PostgresStore:
         """Connect, creating or checking the schema. Blocking: call it on a thread."""
         return PostgresSession(self)
 
+    def admin(self) -> Admin:
+        """The admin API on every queue of the schema, with no service running.
+
+        Its methods are async; it opens its own connection at its first call (creating
+        or upgrading the schema, as a service does) and closes it at ``aclose()``.
+        """
+        return Admin(repr(self), self.connect, self._codecs, self.lease)
+
     def create_schema(self) -> None:
         """Create the schema and tickler's tables in it, unless they exist.
 
@@ -866,6 +961,29 @@ class PostgresSession:
     def close(self) -> None:
         self.db.close()
 
+    # -- the admin's words (see _admin.AdminDialect)
+
+    mark = "%s"
+    ready_state = _READY
+    minute = "floor(finished_at / 60)::int8"
+
+    def key_taken(self, exc: BaseException) -> bool:
+        import psycopg.errors
+
+        return isinstance(exc, psycopg.errors.UniqueViolation)
+
+    def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
+        """The planner's estimate of the query's rows, from the table's statistics (kept
+        fresh by autovacuum's analyze: see the table's settings)."""
+        row = self.db.execute(f"EXPLAIN (FORMAT JSON) {sql}", params).fetchone()
+        try:
+            return int(row[0][0]["Plan"]["Plan Rows"])  # type: ignore[index]
+        except (TypeError, KeyError, IndexError, ValueError):
+            return None
+
+    def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
+        return self._twice(call, *args)  # type: ignore[no-any-return]
+
     # -- the Dialect
 
     def execute(self, sql: str, params: Any = ()) -> Any:
@@ -1104,9 +1222,8 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
                     " give tickler a schema of its own"
                 )
             db.execute(f'SET LOCAL search_path TO "{schema}"')
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            for statement in _statements(_SCHEMA):
+                db.execute(statement)
             db.execute("INSERT INTO tickler_schema VALUES (%s)", (SCHEMA_VERSION,))
         else:
             _migrate(db, schema)
@@ -1119,6 +1236,19 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
         )
 
 
+def _statements(script: str) -> list[str]:
+    """The statements of a script, split at its semicolons but those of a $$-quoted body."""
+    found = [""]
+    for i, part in enumerate(script.split("$$")):
+        if i % 2:
+            found[-1] += f"$${part}$$"
+        else:
+            first, *rest = part.split(";")
+            found[-1] += first
+            found += rest
+    return [statement for statement in found if statement.strip()]
+
+
 def _migrate(db: psycopg.Connection[Any], schema: str) -> None:
     """Bring an older schema to SCHEMA_VERSION, one version at a time, in the caller's
     transaction (which holds the schema's advisory lock)."""
@@ -1128,9 +1258,8 @@ def _migrate(db: psycopg.Connection[Any], schema: str) -> None:
     version = row[0]
     db.execute(f'SET LOCAL search_path TO "{schema}"')
     while version in _MIGRATIONS:
-        for statement in _MIGRATIONS[version].split(";"):
-            if statement.strip():
-                db.execute(statement)
+        for statement in _statements(_MIGRATIONS[version]):
+            db.execute(statement)
         version += 1
     db.execute("UPDATE tickler_schema SET version = %s", (version,))
 

@@ -15,10 +15,11 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from ._admin import Admin
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
@@ -40,7 +41,9 @@ from ._sql import (
     seconds,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+
+_T = TypeVar("_T")
 
 # Which states a partial index holds, written out as ORs: SQLite builds a
 # temporary table for an IN list of three or more values each time it checks
@@ -178,11 +181,69 @@ def _to_v4(db: sqlite3.Connection) -> None:
     db.execute(_STARTS_INDEX)
 
 
+# Version 5's indexes, which the admin API reads on (tickler._stores._admin): each
+# queue's rows by state, newest first (pages, counts, the queues); a group's likewise,
+# for the rows of a group only; and the rows finished, by queue and time, holding what
+# the overview reads of them. A claim writes none of them but for the state.
+_ADMIN_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS tickler_by_state ON tickler_requests (queue, state, id)",
+    "CREATE INDEX IF NOT EXISTS tickler_by_group"
+    " ON tickler_requests (queue, group_name, state, id) WHERE group_name IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS tickler_finished_by_queue"
+    " ON tickler_requests (queue, finished_at, state, run_at, started_at)"
+    " WHERE finished_at IS NOT NULL",
+)
+
+
+# Version 5 also keeps the overview's finished requests per minute, which counting the
+# rows of a busy hour would take too long for: a row trigger adds each row ended
+# SUCCEEDED or FAILED to its (queue, minute, owner) row (SQLite has one writer at a time),
+# and drops the queue's rows two hours older. The rows finished within the last two
+# hours are counted in on creation (owner '').
+_MINUTES = (
+    "CREATE TABLE IF NOT EXISTS tickler_minutes ("
+    " queue TEXT NOT NULL, minute INTEGER NOT NULL, owner TEXT NOT NULL,"
+    " succeeded INTEGER NOT NULL, failed INTEGER NOT NULL,"
+    " PRIMARY KEY (queue, minute, owner)) WITHOUT ROWID",
+    "CREATE TRIGGER IF NOT EXISTS tickler_count_finished AFTER UPDATE OF state"
+    " ON tickler_requests"
+    " WHEN NEW.state IN ('succeeded', 'failed') AND OLD.state NOT IN ('succeeded', 'failed')"
+    " AND NEW.finished_at IS NOT NULL"
+    " BEGIN"
+    " INSERT INTO tickler_minutes (queue, minute, owner, succeeded, failed)"
+    " VALUES (NEW.queue, CAST(NEW.finished_at / 60 AS INTEGER), coalesce(OLD.owner, ''),"
+    " NEW.state = 'succeeded', NEW.state = 'failed')"
+    " ON CONFLICT (queue, minute, owner) DO UPDATE"
+    " SET succeeded = succeeded + excluded.succeeded, failed = failed + excluded.failed;"
+    " DELETE FROM tickler_minutes WHERE queue = NEW.queue"
+    " AND minute < CAST(NEW.finished_at / 60 AS INTEGER) - 120;"
+    " END",
+)
+
+# The finished rows of the last two hours, counted into tickler_minutes (where none are).
+BACKFILL_MINUTES = (
+    "INSERT INTO tickler_minutes (queue, minute, owner, succeeded, failed)"
+    " SELECT queue, CAST(finished_at / 60 AS INTEGER), '',"
+    " sum(state = 'succeeded'), sum(state = 'failed') FROM tickler_requests"
+    " WHERE finished_at >= CAST(strftime('%s', 'now') AS REAL) - 7200"
+    " AND finished_at IS NOT NULL AND state IN ('succeeded', 'failed')"
+    " GROUP BY 1, 2 ON CONFLICT DO NOTHING"
+)
+
+
+def _to_v5(db: sqlite3.Connection) -> None:
+    """Version 5: the admin API's indexes, and its count of the finished per minute. A
+    step of its own, skipped where the file already has it."""
+    for create in (*_ADMIN_INDEXES, *_MINUTES, BACKFILL_MINUTES):
+        db.execute(create)
+
+
 # From each older version, what brings a file to the next one.
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _to_v2,
     2: _to_v3,
     3: _to_v4,
+    4: _to_v5,
 }
 
 # A keyed row, unless its key is held by a row whose unique_until has not come, or live
@@ -481,6 +542,14 @@ class SqliteStore:
         """Open the file, creating or checking its schema. Blocking: call it on a thread."""
         return SqliteSession(self)
 
+    def admin(self) -> Admin:
+        """The admin API on every queue of the file, with no service running.
+
+        Its methods are async; it opens its own connection at its first call (creating
+        or upgrading the schema, as a service does) and closes it at ``aclose()``.
+        """
+        return Admin(repr(self), self.connect, self._codecs, self.lease)
+
     def create_schema(self) -> None:
         """Create tickler's tables in the file, or bring an older schema up to date.
 
@@ -667,6 +736,26 @@ class SqliteSession:
 
     def close(self) -> None:
         self.db.close()
+
+    # -- the admin's words (see _admin.AdminDialect)
+
+    mark = "?"
+    ready_state = _READY
+    minute = "CAST(finished_at / 60 AS INTEGER)"
+
+    def key_taken(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.IntegrityError) and "tickler_requests.queue" in str(exc)
+
+    def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
+        """SQLite keeps no estimate of a query's rows."""
+        return None
+
+    def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
+        try:
+            return call(self, *args)
+        except BaseException:
+            self.rollback()
+            raise
 
     # -- the Dialect
 
@@ -865,6 +954,7 @@ def _check_schema(db: sqlite3.Connection, path: Path) -> None:
                     if statement.strip():
                         db.execute(statement)
                 _to_v4(db)
+                _to_v5(db)
                 db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
                 db.execute("COMMIT")
         except BaseException:

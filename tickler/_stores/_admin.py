@@ -1,0 +1,719 @@
+"""The admin API of the SQL stores: ``store.admin()``, which needs no running service.
+
+An :class:`Admin` acts on every queue of a store directly, through a session of its own
+(the store's ``connect()``), each call on a worker thread. Its SQL is written here once,
+over an :class:`AdminDialect`: the store's session, which says its placeholder, the very
+words of its partial index of ready rows, and how it reads a time's minute. The dialects
+keep no SQL of the admin's but for those words; the indexes the admin reads on are each
+store's own (see the stores' schemas: tickler_by_state, tickler_by_group,
+tickler_finished_by_queue).
+
+Cancel and lookup are the service's own (_sql.cancel, _sql.lookup): a running request's
+cancel is asked of its owner, whose next look at its leases (within one poll_interval)
+withdraws the attempt, on whichever replica runs it.
+"""
+
+# Every statement here is built of constant text and the dialect's placeholders alone.
+# ruff: noqa: S608
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import trio
+
+from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
+from .._exceptions import KeyTaken
+from ._sql import COUNTED, Dialect, cancel, limited_now
+
+_T = TypeVar("_T")
+
+STATES = ("queued", "scheduled", "running", "retrying", "succeeded", "failed", "cancelled")
+_LIVE = "state IN ('queued', 'scheduled', 'running', 'retrying')"
+_RETRYABLE = "state IN ('failed', 'cancelled')"
+
+# The most rows a page holds.
+MAX_LIMIT = 500
+# The overview's window: rows finished in the last hour, by minute.
+WINDOW = 3600.0
+# The overview counts each state exactly up to this many rows; past it, the count is the
+# store's estimate (see QueueOverview.estimated), so that a queue of millions of rows costs
+# about what one of COUNT_CAP does.
+COUNT_CAP = 50_000
+# The overview's percentiles read at most this many of the latest rows finished in the
+# window, so that a busy queue's overview costs the same as a quiet one's.
+PERCENTILE_ROWS = 10_000
+
+# The columns of an AdminRequest, in the order _request() reads them.
+_COLUMNS = (
+    "id, queue, key, state, request, priority, group_name, attempts, enqueued_at, run_at,"
+    " started_at, finished_at, owner, lease_until, cancel_requested, error_type,"
+    " error_message, error_traceback, result"
+)
+
+
+@attrs.frozen
+class AdminRequest:
+    """One request as the store has it, read by ``store.admin()``."""
+
+    id: int
+    queue: str
+    key: Any
+    """The key as the store keeps it, decoded from its JSON (a tuple key reads as a
+    list); None without one."""
+    state: str
+    request: Any
+    """The request, decoded with the queue's codec in this process (JSON by default); its
+    bytes if that codec cannot read them."""
+    priority: int
+    group: str | None
+    attempts: int
+    enqueued_at: float
+    run_at: float
+    """When it fell due, or falls due: its enqueue plus its delay, or its next retry."""
+    started_at: float | None
+    finished_at: float | None
+    owner: str | None
+    """The service (replica) whose lease it runs under, while it runs."""
+    lease_until: float | None
+    cancel_requested: bool
+    error_type: str | None
+    error_message: str | None
+    error_traceback: str | None
+    """The last failed attempt's error, kept until the next attempt ends; the traceback is
+    bounded (see MAX_TRACEBACK_CHARS in the stores' notes)."""
+    result: Any
+    """The result, decoded; None unless it succeeded."""
+    waits_on: list[int] = attrs.Factory(list)
+    """The requests it waits on; empty: the stores record no links between requests."""
+    waited_by: list[int] = attrs.Factory(list)
+    """The requests waiting on it; empty likewise."""
+
+
+@attrs.frozen
+class AdminPage:
+    """A page of requests, newest first."""
+
+    rows: list[AdminRequest]
+    next: int | None
+    """Pass as ``after=`` for the next page; None on the last."""
+
+
+@attrs.frozen
+class QueueOverview:
+    """One queue at a glance."""
+
+    queue: str
+    counts: dict[str, int]
+    """As ``counts(queue)``, but for the states named in ``estimated``."""
+    oldest_queued_age: float | None
+    """Seconds since the ready request due the longest fell due; None if none is due."""
+    running: int
+    """Attempts running now, across every replica (claimed ahead, not started, excluded:
+    counts["claimed"])."""
+    paused: bool
+    per_minute: list[tuple[float, int, int]]
+    """(minute start, succeeded, failed) for each of the last 60 minutes, the oldest first;
+    times are epoch seconds. Exact: each attempt that ended a request SUCCEEDED or FAILED
+    is counted in its minute as it ends (a request retried after failing, or deleted
+    since, counts still)."""
+    wait_p50: float | None
+    """From the rows that succeeded or failed in the last hour (their latest
+    PERCENTILE_ROWS): seconds between falling due and the last attempt's start."""
+    wait_p95: float | None
+    run_p50: float | None
+    """Likewise, seconds the last attempt ran."""
+    run_p95: float | None
+    estimated: list[str] = attrs.Factory(list)
+    """The states whose count is an estimate: each had more than COUNT_CAP rows, and its
+    count is the store's estimate (the planner's, PostgreSQL's; SQLite has none, and gives
+    COUNT_CAP), never less than COUNT_CAP. ``counts(queue)`` counts them exactly."""
+
+
+@attrs.frozen
+class Replica:
+    """A service holding leases now: an owner of running requests."""
+
+    owner: str
+    leased: int
+    """How many running requests it holds."""
+    last_renewed: float | None
+    """When it last renewed its leases (epoch seconds): its latest lease_until less the
+    admin's store's ``lease``, which the replicas are assumed to share."""
+    lease_until: float
+    """Its latest lease's end; past means the replica stopped renewing (it died, or lost
+    the store), and its requests go to another replica."""
+    queues: list[str] = attrs.Factory(list)
+    """The queues of its running requests."""
+
+
+class AdminDialect(Dialect, Protocol):
+    """A store's session as the admin uses it: the batch's Dialect, and a few words."""
+
+    mark: str
+    """The placeholder of the session's statements."""
+    ready_state: str
+    """The WHERE term of the store's partial index of ready rows, in its very words."""
+    minute: str
+    """An SQL expression of the minute (an integer count since the epoch) of finished_at."""
+
+    def key_taken(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the store refusing a second live row of a key."""
+        ...
+
+    def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
+        """How many rows the store estimates the query gives, without running it; None
+        if it cannot tell."""
+        ...
+
+    def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
+        """Call ``call(self, *args)``, rolling back after an error (and connecting again
+        where the server went away)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _check_queue(queue: object) -> str:
+    if not isinstance(queue, str):
+        raise TypeError(f"queue must be a str, not {type(queue).__name__}")
+    check_queue_name(queue, "queue")
+    return queue
+
+
+def _check_id(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (a request's id), not {type(value).__name__}")
+    return value
+
+
+def _check_key(key: object, name: str) -> str:
+    try:
+        return encode_key(key)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+@attrs.frozen
+class _Filter:
+    state: str | None
+    key: str | None
+    group: str | None
+
+    @classmethod
+    def of(cls, state: object, key: object, group: object) -> _Filter:
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be None or one of {', '.join(STATES)}, not {state!r}")
+        try:
+            checked_group = check_group(group)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"group: {exc}") from None
+        return cls(
+            state,
+            None if key is None else _check_key(key, "key"),
+            checked_group,
+        )
+
+    def where(self, m: str, queue: str) -> tuple[str, list[Any]]:
+        """The WHERE terms (after ``queue = ?``) and all their parameters."""
+        terms = [f"queue = {m}"]
+        params: list[Any] = [queue]
+        if self.state is not None:
+            terms.append(f"state = {m}")
+            params.append(self.state)
+        if self.key is not None:
+            terms.append(f"key = {m}")
+            params.append(self.key)
+        if self.group is not None:
+            terms.append(f"group_name = {m}")
+            params.append(self.group)
+        return " AND ".join(terms), params
+
+
+# -- The SQL, run on the worker thread
+
+
+def _queues(d: AdminDialect) -> list[str]:
+    # Each queue found by one probe of tickler_by_state (a loose index scan).
+    sql = (
+        "WITH RECURSIVE q(name) AS ("
+        " SELECT min(queue) FROM tickler_requests"
+        " UNION ALL SELECT (SELECT min(queue) FROM tickler_requests WHERE queue > q.name)"
+        " FROM q WHERE q.name IS NOT NULL)"
+        " SELECT name FROM q WHERE name IS NOT NULL UNION SELECT queue FROM tickler_queues"
+    )
+    return sorted(str(name) for (name,) in d.execute(sql, ()))
+
+
+def _row(d: AdminDialect, queue: str, id_or_key: object) -> tuple[Any, ...] | None:
+    m = d.mark
+    if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+        if not 0 < id_or_key < 2**63:
+            return None
+        sql = f"SELECT {_COLUMNS} FROM tickler_requests WHERE queue = {m} AND id = {m}"
+        found = d.execute(sql, (queue, id_or_key)).fetchone()
+    else:
+        # The live row first, else the latest (as the service's lookup).
+        sql = (
+            f"SELECT {_COLUMNS} FROM tickler_requests WHERE queue = {m} AND key = {m}"
+            f" ORDER BY CASE WHEN {_LIVE} THEN 0 ELSE 1 END, id DESC LIMIT 1"
+        )
+        found = d.execute(sql, (queue, _check_key(id_or_key, "id_or_key"))).fetchone()
+    return None if found is None else tuple(found)
+
+
+def _page(d: AdminDialect, queue: str, f: _Filter, after: int | None, limit: int) -> list[Any]:
+    """Up to ``limit`` rows, newest first, below ``after``.
+
+    Each state's rows are read newest first on tickler_by_state (queue, state, id), or
+    tickler_by_group with a group, or tickler_keys with a key: without a state, one such
+    read per state, merged; no read goes past ``limit`` entries of its index.
+    """
+    m = d.mark
+    where, params = f.where(m, queue)
+    if after is not None:
+        where += f" AND id < {m}"
+        params.append(after)
+    if f.state is not None or f.key is not None:
+        ids = f"SELECT id FROM tickler_requests WHERE {where} ORDER BY id DESC LIMIT {m}"
+        params.append(limit)
+    else:
+        parts = []
+        every: list[Any] = []
+        for state in STATES:
+            parts.append(
+                "SELECT id FROM (SELECT id FROM tickler_requests"
+                f" WHERE {where} AND state = {m} ORDER BY id DESC LIMIT {m}) AS s"
+            )
+            every += [*params, state, limit]
+        ids = f"SELECT id FROM ({' UNION ALL '.join(parts)}) AS u ORDER BY id DESC LIMIT {m}"
+        params = [*every, limit]
+    sql = f"SELECT {_COLUMNS} FROM tickler_requests WHERE id IN ({ids}) ORDER BY id DESC"
+    return [tuple(row) for row in d.execute(sql, params)]
+
+
+def _count_where(d: AdminDialect, queue: str, f: _Filter) -> int:
+    where, params = f.where(d.mark, queue)
+    sql = f"SELECT count(*) FROM tickler_requests WHERE {where}"
+    return int(d.execute(sql, params).fetchone()[0])
+
+
+def _cancel_where(d: AdminDialect, queue: str, f: _Filter) -> int:
+    """One UPDATE: live rows that do not run end CANCELLED; running rows have their
+    cancel asked of their owner (those already asked are not counted again)."""
+    m = d.mark
+    where, params = f.where(m, queue)
+    sql = (
+        "UPDATE tickler_requests SET"
+        " cancel_requested = CASE WHEN state = 'running' THEN TRUE ELSE cancel_requested END,"
+        f" finished_at = CASE WHEN state = 'running' THEN finished_at ELSE {m} END,"
+        " state = CASE WHEN state = 'running' THEN state ELSE 'cancelled' END"
+        f" WHERE {where} AND {_LIVE} AND NOT (state = 'running' AND cancel_requested)"
+    )
+    return _write(d, sql, lambda now: [now, *params], queue=None)
+
+
+def _retry_sql(m: str, where: str) -> str:
+    """Failed or cancelled rows queued again, now: their attempts and error kept. A row
+    of a key is retried only if it is the key's latest row and no live row holds the key
+    (the key then becomes live again)."""
+    return (
+        "UPDATE tickler_requests SET state = 'queued',"
+        f" run_at = {m}, finished_at = NULL, result = NULL, cancel_requested = FALSE,"
+        " owner = NULL, lease_until = NULL"
+        f" WHERE {where} AND {_RETRYABLE} AND (key IS NULL OR NOT EXISTS ("
+        " SELECT 1 FROM tickler_requests AS h WHERE h.queue = tickler_requests.queue"
+        " AND h.key = tickler_requests.key AND h.id <> tickler_requests.id"
+        f" AND (h.id > tickler_requests.id OR h.{_LIVE})))"
+    )
+
+
+def _retry(d: AdminDialect, queue: str, request_id: int) -> int:
+    """0 as well where a request of its key was enqueued while the retry ran (its key is
+    live again: the request stays as it was)."""
+    if not 0 < request_id < 2**63:
+        return 0
+    m = d.mark
+    sql = _retry_sql(m, f"queue = {m} AND id = {m}")
+    try:
+        return _write(d, sql, lambda now: [now, queue, request_id], queue=queue)
+    except Exception as exc:
+        if d.key_taken(exc):
+            return 0
+        raise
+
+
+def _retry_where(d: AdminDialect, queue: str, f: _Filter) -> int:
+    where, params = f.where(d.mark, queue)
+    try:
+        return _write(d, _retry_sql(d.mark, where), lambda now: [now, *params], queue=queue)
+    except Exception as exc:
+        if d.key_taken(exc):
+            raise KeyTaken(
+                "a request of the key of one of the requests to retry was enqueued while the"
+                " retry ran: nothing was retried; try again"
+            ) from None
+        raise
+
+
+def _write(
+    d: AdminDialect, sql: str, params: Callable[[float], list[Any]], *, queue: str | None
+) -> int:
+    """Run one UPDATE in a transaction of its own, at the store's time; the rows it wrote.
+    With ``queue``, wake its replicas (NOTIFY where the store has it)."""
+    d.begin()
+    try:
+        cursor = d.execute(sql, params(d.now()[0]))
+        written = int(cursor.rowcount)
+        if queue is not None and written:
+            d.notify(queue)
+        d.commit()
+    except BaseException:
+        d.rollback()
+        raise
+    return written
+
+
+def _cancel(d: AdminDialect, queue: str, id_or_key: object) -> bool:
+    return cancel(d, queue, id_or_key)[0]
+
+
+def _set_paused(d: AdminDialect, queue: str, paused: bool) -> None:
+    d.begin()
+    try:
+        d.execute(d.statements.set_paused, (queue, paused))
+        d.notify(queue)
+        d.commit()
+    except BaseException:
+        d.rollback()
+        raise
+
+
+def _counts(
+    d: AdminDialect, queue: str, cap: int | None = None
+) -> tuple[dict[str, int], list[str]]:
+    """As _sql.counts, each state counted on tickler_by_state's entries alone, and the
+    claimed rows among the running on tickler_running; and the states whose count is an
+    estimate.
+
+    With ``cap``, no state's count reads more than ``cap`` + 1 entries: a state with more
+    is given the store's estimate (never less than ``cap``), and named as estimated.
+    """
+    m = d.mark
+    found = dict.fromkeys(COUNTED, 0)
+    estimated: list[str] = []
+    if cap is None:
+        sql = f"SELECT state, count(*) FROM tickler_requests WHERE queue = {m} GROUP BY state"
+        params: list[Any] = [queue]
+    else:
+        # (The states are constants: their names are written in.)
+        sql = " UNION ALL ".join(
+            f"SELECT '{state}', count(*) FROM (SELECT 1 FROM tickler_requests"
+            f" WHERE queue = {m} AND state = '{state}' LIMIT {m}) AS c{i}"
+            for i, state in enumerate(STATES)
+        )
+        params = [p for _ in STATES for p in (queue, cap + 1)]
+    for state, count in d.execute(sql, params).fetchall():
+        found[str(state)] = int(count)
+        if cap is not None and count > cap:
+            guess = d.estimate(
+                f"SELECT 1 FROM tickler_requests WHERE queue = {m} AND state = {m}",
+                (queue, state),
+            )
+            found[str(state)] = max(cap, guess or 0)
+            estimated.append(str(state))
+    claimed = (
+        f"SELECT count(*) FROM tickler_requests WHERE queue = {m} AND state = 'running'"
+        " AND started_at IS NULL"
+    )
+    found["claimed"] = int(d.execute(claimed, (queue,)).fetchone()[0])
+    found["running"] -= found["claimed"]
+    flag = d.execute(d.statements.paused, (queue,)).fetchone()
+    found["paused"] = int(bool(flag is not None and flag[0]))
+    found["limited"] = limited_now(d, queue)
+    return found, estimated
+
+
+def _earliest_due(d: AdminDialect, queue: str) -> float | None:
+    """The earliest run_at of the ready rows: each priority's, found as the claim finds
+    them on tickler_ready (the priorities one probe each)."""
+    m, ready = d.mark, d.ready_state
+    sql = f"""
+WITH RECURSIVE level(p) AS (
+    SELECT max(priority) FROM tickler_requests WHERE queue = {m} AND {ready}
+    UNION ALL
+    SELECT (SELECT max(priority) FROM tickler_requests
+            WHERE queue = {m} AND {ready} AND priority < level.p)
+    FROM level WHERE level.p IS NOT NULL
+)
+SELECT min((SELECT min(run_at) FROM tickler_requests
+            WHERE queue = {m} AND {ready} AND priority = level.p))
+FROM level WHERE level.p IS NOT NULL"""
+    row = d.execute(sql, (queue, queue, queue)).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank percentile of sorted ``values``."""
+    if not values:
+        return None
+    return values[max(0, math.ceil(q * len(values)) - 1)]
+
+
+def _overview(d: AdminDialect, queue: str) -> QueueOverview:
+    m = d.mark
+    now = d.now()[0]
+    counts, estimated = _counts(d, queue, COUNT_CAP)
+    due = _earliest_due(d, queue)
+    first_minute = math.floor(now / 60) - 59
+    by_minute = {minute: (0, 0) for minute in range(first_minute, first_minute + 60)}
+    # Counted as they finished, by the store's trigger (see tickler_minutes): counting
+    # the rows of a busy hour would read up to a million of them.
+    sql = (
+        "SELECT minute, sum(succeeded), sum(failed) FROM tickler_minutes"
+        f" WHERE queue = {m} AND minute >= {m} GROUP BY minute"
+    )
+    for minute, succeeded, failed in d.execute(sql, (queue, first_minute)):
+        if int(minute) in by_minute:
+            by_minute[int(minute)] = (int(succeeded), int(failed))
+    times = (
+        "SELECT started_at - run_at, finished_at - started_at FROM tickler_requests"
+        f" WHERE queue = {m} AND finished_at >= {m} AND finished_at IS NOT NULL"
+        " AND state IN ('succeeded', 'failed') AND started_at IS NOT NULL"
+        f" ORDER BY finished_at DESC LIMIT {m}"
+    )
+    rows = d.execute(times, (queue, now - WINDOW, PERCENTILE_ROWS)).fetchall()
+    waits = sorted(max(0.0, float(w)) for w, _ in rows)
+    runs = sorted(max(0.0, float(r)) for _, r in rows)
+    return QueueOverview(
+        queue=queue,
+        counts=counts,
+        oldest_queued_age=None if due is None or due > now else now - due,
+        running=counts["running"],
+        paused=bool(counts["paused"]),
+        per_minute=[(minute * 60.0, *by_minute[minute]) for minute in sorted(by_minute)],
+        wait_p50=_percentile(waits, 0.5),
+        wait_p95=_percentile(waits, 0.95),
+        run_p50=_percentile(runs, 0.5),
+        run_p95=_percentile(runs, 0.95),
+        estimated=estimated,
+    )
+
+
+def _overviews(d: AdminDialect) -> list[QueueOverview]:
+    return [_overview(d, queue) for queue in _queues(d)]
+
+
+def _replicas(d: AdminDialect, lease: float) -> list[Replica]:
+    # On tickler_running: the running rows alone.
+    sql = (
+        "SELECT owner, queue, count(*), max(lease_until) FROM tickler_requests"
+        " WHERE state = 'running' AND owner IS NOT NULL GROUP BY owner, queue"
+    )
+    found: dict[str, tuple[int, float, list[str]]] = {}
+    for owner, queue, count, until in d.execute(sql, ()):
+        leased, latest, queues = found.get(owner, (0, -math.inf, []))
+        found[owner] = (leased + int(count), max(latest, float(until)), [*queues, str(queue)])
+    return [
+        Replica(owner, leased, until - lease, until, sorted(queues))
+        for owner, (leased, until, queues) in sorted(
+            found.items(), key=lambda item: (-item[1][1], item[0])
+        )
+    ]
+
+
+# -- The API
+
+
+class Admin:
+    """Acts on every queue of a store, with no service running: see ``store.admin()``.
+
+    Every method is async and runs its SQL on a worker thread, one call at a time on the
+    admin's own session (connection), opened at the first call. Any Trio run may call it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        connect: Callable[[], AdminDialect],
+        codecs: dict[str, Codec],
+        lease: float,
+    ) -> None:
+        self._name = name
+        self._connect = connect
+        self._codecs = codecs
+        self._lease = lease
+        self._session: AdminDialect | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<admin of {self._name}>"
+
+    async def _run(self, call: Callable[..., _T], *args: Any) -> _T:
+        def work() -> _T:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"{self!r} is closed")
+                if self._session is None:
+                    self._session = self._connect()
+                return self._session.run_admin(call, *args)
+
+        return await trio.to_thread.run_sync(work)
+
+    def _decode(self, queue: str, data: bytes | None) -> Any:
+        if data is None:
+            return None
+        codec = self._codecs.get(queue) or JsonCodec()
+        try:
+            return codec.decode(bytes(data))
+        except Exception:
+            return bytes(data)
+
+    def _request(self, row: tuple[Any, ...]) -> AdminRequest:
+        (id_, queue, key, state, request, priority, group, attempts, enqueued_at, run_at) = row[:10]
+        (started, finished, owner, lease_until, asked, etype, message, tb, result) = row[10:]
+        return AdminRequest(
+            id=int(id_),
+            queue=queue,
+            key=None if key is None else json.loads(key),
+            state=state,
+            request=self._decode(queue, request),
+            priority=int(priority),
+            group=group,
+            attempts=int(attempts),
+            enqueued_at=float(enqueued_at),
+            run_at=float(run_at),
+            started_at=None if started is None else float(started),
+            finished_at=None if finished is None else float(finished),
+            owner=owner,
+            lease_until=None if lease_until is None else float(lease_until),
+            cancel_requested=bool(asked),
+            error_type=etype,
+            error_message=message,
+            error_traceback=tb,
+            result=self._decode(queue, result),
+        )
+
+    async def queues(self) -> list[str]:
+        """Every queue with rows, or paused (or limited) once, by name."""
+        return await self._run(_queues)
+
+    async def lookup(self, queue: str, id_or_key: object) -> AdminRequest | None:
+        """The request of an int id, or of a key (its live request, else its latest)."""
+        _check_queue(queue)
+        if not isinstance(id_or_key, int) or isinstance(id_or_key, bool):
+            _check_key(id_or_key, "id_or_key")
+        row = await self._run(_row, queue, id_or_key)
+        return None if row is None else self._request(row)
+
+    async def cancel(self, queue: str, id_or_key: object) -> bool:
+        """Cancel a live request: at once unless it runs; a running one is asked of its
+        owner, which withdraws the attempt within one poll_interval, and it ends
+        CANCELLED. False if the request is final, or unknown."""
+        _check_queue(queue)
+        if not isinstance(id_or_key, int) or isinstance(id_or_key, bool):
+            _check_key(id_or_key, "id_or_key")
+        return await self._run(_cancel, queue, id_or_key)
+
+    async def retry(self, queue: str, id: int) -> bool:
+        """Queue a failed or cancelled request again, due now; its attempts count on, and
+        its error stays until its next attempt ends. False for any other, or where its
+        key is held by a later request."""
+        _check_queue(queue)
+        _check_id(id, "id")
+        return bool(await self._run(_retry, queue, id))
+
+    async def pause(self, queue: str) -> None:
+        """Every service of the queue stops claiming (what runs goes on)."""
+        _check_queue(queue)
+        await self._run(_set_paused, queue, True)
+
+    async def resume(self, queue: str) -> None:
+        _check_queue(queue)
+        await self._run(_set_paused, queue, False)
+
+    async def counts(self, queue: str) -> dict[str, int]:
+        """Rows by state, with the keys of a service's ``store_statistics()`` counts."""
+        _check_queue(queue)
+        return (await self._run(_counts, queue))[0]
+
+    async def requests(
+        self,
+        queue: str,
+        *,
+        state: str | None = None,
+        key: object = None,
+        group: str | None = None,
+        after: int | None = None,
+        limit: int = 50,
+    ) -> AdminPage:
+        """A page of the queue's requests, newest (highest id) first, of those with ids
+        below ``after``."""
+        _check_queue(queue)
+        f = _Filter.of(state, key, group)
+        if after is not None:
+            _check_id(after, "after")
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+        if not 1 <= limit <= MAX_LIMIT:
+            raise ValueError(f"limit must be 1 to {MAX_LIMIT}, not {limit}")
+        rows = await self._run(_page, queue, f, after, limit + 1)
+        page = [self._request(row) for row in rows[:limit]]
+        return AdminPage(page, page[-1].id if len(rows) > limit else None)
+
+    async def count_where(
+        self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
+    ) -> int:
+        """How many requests of the queue the filter selects."""
+        _check_queue(queue)
+        return await self._run(_count_where, queue, _Filter.of(state, key, group))
+
+    async def cancel_where(
+        self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
+    ) -> int:
+        """cancel() of every live request the filter selects, in one statement; how many
+        were cancelled or asked to cancel."""
+        _check_queue(queue)
+        return await self._run(_cancel_where, queue, _Filter.of(state, key, group))
+
+    async def retry_where(
+        self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
+    ) -> int:
+        """retry() of every failed or cancelled request the filter selects, in one
+        statement; how many were queued again."""
+        _check_queue(queue)
+        return await self._run(_retry_where, queue, _Filter.of(state, key, group))
+
+    async def overview(self) -> list[QueueOverview]:
+        """Each queue at a glance (see QueueOverview)."""
+        return await self._run(_overviews)
+
+    async def replicas(self) -> list[Replica]:
+        """The services holding leases now, the latest lease first."""
+        return await self._run(_replicas, self._lease)
+
+    async def aclose(self) -> None:
+        """Close the admin's session; the admin takes no more calls."""
+
+        def close() -> None:
+            with self._lock:
+                self._closed = True
+                session, self._session = self._session, None
+            if session is not None:
+                session.close()
+
+        await trio.to_thread.run_sync(close)
+
+    async def __aenter__(self) -> Admin:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
