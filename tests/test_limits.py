@@ -219,7 +219,7 @@ async def test_grouped_requests_start_in_enqueue_order_within_their_group(
     are held and sent on again; each group still starts in enqueue order, within its limit,
     and nothing of another group or of none waits behind them."""
     durations = itertools.cycle([0.3, 1.7, 0.1, 2.9, 0.6, 1.1, 0.2])
-    length = {}
+    length: dict[tuple[str, int], float] = {}
     running: collections.Counter[str] = collections.Counter()
     most: collections.Counter[str] = collections.Counter()
     started: dict[tuple[str, int], float] = {}
@@ -298,7 +298,7 @@ async def test_group_names_are_checked_on_a_running_service(
             ("a\ud800", ValueError, "group must not hold a NUL or a lone surrogate"),
         ]:
             with pytest.raises(error, match=match):
-                service.enqueue_request(("bad", "r"), group=bad)
+                service.enqueue_request(("bad", "r"), group=bad)  # type: ignore[arg-type]
         service.enqueue_request(("é" * 100, "ok"), group="é" * 100)  # 200 bytes: fine
         service.enqueue_request(("x" * 200, "ok"), group="x" * 200)
     assert service.statistics().enqueued == 2
