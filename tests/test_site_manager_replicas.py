@@ -456,9 +456,9 @@ async def test_a_delete_cancels_the_step_another_replica_runs(
     # replica claims it: the held one may, once its step was cancelled. So only the
     # cancels before the step ended are the DELETE's.)
     cancelled = next(t for t, _, event, _, _ in log if event == "cancelled")
-    assert {
-        pid for t, pid, event, _, _ in log if event == "cancel" and t < cancelled
-    } == {other.pid}
+    assert {pid for t, pid, event, _, _ in log if event == "cancel" and t < cancelled} == {
+        other.pid
+    }
     aborted = [
         (t, pid) for t, pid, event, _, step in log if (event, step) == ("aborted", "request")
     ]

@@ -67,7 +67,7 @@ from ._core import (
 )
 from ._current import ATTEMPTS, Attempt
 from ._exceptions import Withdrawn
-from ._parts import GroupsPart, IntakePart, OutcomesPart, StoppingPart, StorePart
+from ._parts import GroupsPart, IntakePart, OutcomesPart, StoppingPart, StorePart, TracerPart
 from ._statistics import TIME_BUCKETS
 from ._ticket import RequestT, ResultT, Status, Ticket, Waiting
 
@@ -233,6 +233,7 @@ class _Engine(Generic[RequestT, ResultT]):
         "_timeout",
         "_timer",
         "_token",
+        "_tracer",
         "_wait_counts",
         "_wait_sum",
         "_wakeup_pending",
@@ -250,6 +251,8 @@ class _Engine(Generic[RequestT, ResultT]):
     _stopping: StoppingPart
     _store_run: StorePart | None
     _groups: GroupsPart | None  # limits per group, in memory (None: no limits)
+    # Tracing (tickler.otel.instrument), None while off: read off the hot path only.
+    _tracer: TracerPart | None
     # the flags parts write (see the class's docstring)
     _admit: int
     _closed: bool
@@ -336,6 +339,7 @@ class _Engine(Generic[RequestT, ResultT]):
         self._queue = collections.deque()
         self._ready = []
         self._groups = None
+        self._tracer = None
         # The last context a request was enqueued with: requests enqueued from
         # one unchanged context share one Context object instead of a copy each.
         self._last_context = None
@@ -1046,9 +1050,9 @@ class _Engine(Generic[RequestT, ResultT]):
                 handed = await self._park()
                 if handed is None:
                     return
-                ticket, slot = handed
-                handed = None
+                (ticket, slot), handed = handed, None
                 self._handed.pop(ticket.id, None)
+                handler = self._handler  # instrument() may have wrapped it meanwhile
                 now = offset + timer()
                 chained = 0
         finally:
