@@ -267,6 +267,8 @@ class Service(_Engine[RequestT, ResultT]):
 
     def statistics(self) -> ServiceStatistics:
         """Return a consistent snapshot of the counters. Call it from the Trio thread."""
+        if self._histograms:
+            self._tally_all()
         with self._lock:
             queued = len(self._queue) + self._intake.ranked
             return ServiceStatistics(
