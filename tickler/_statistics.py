@@ -98,12 +98,12 @@ class ServiceStatistics:
     """With a store: batches that failed and were retried (a full disk, a lost connection)."""
     wait_time: Histogram | None = None
     """How long requests waited from their enqueue to their first start: one duration
-    per request that started (a delayed request's includes its delay). ``None`` unless
-    the service was made with ``histograms=True``."""
+    per request that started (a delayed request's includes its delay). ``None`` if the
+    service was made with ``histograms=False``."""
     run_time: Histogram | None = None
     """How long attempts ran, from start to end, whatever their outcome: one duration
-    per attempt that ended. ``None`` unless the service was made with
-    ``histograms=True``."""
+    per attempt that ended. ``None`` if the service was made with
+    ``histograms=False``."""
 
 
 def tally(durations: list[float], counts: list[int]) -> float:
