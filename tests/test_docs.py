@@ -124,6 +124,10 @@ OUTPUTS = {
     ("docs/observability.md", "prometheus"): (
         'tickler_requests_succeeded_total{service="mailer"} 3.0\n'
     ),
+    ("docs/observability.md", "otel-trace"): (
+        "POST /signup\n  send mail\n    process mail retrying\n    process mail succeeded\n"
+        "1 trace\n"
+    ),
 }
 # The Python blocks that tests/test_recipes.py saves as files and runs.
 RECIPES = {("docs/recipes.md", name) for name in ("app.py", "serve.py", "test_welcome.py")}

@@ -131,8 +131,15 @@ async def test_a_store_counts_the_wait_from_the_rows_enqueue(tmp_path: Path) -> 
     assert wait_time.counts[bisect.bisect_left(TIME_BUCKETS, 10.0)] == 1
 
 
-async def test_a_service_keeps_no_histograms_unless_asked(autojump_clock: trio.abc.Clock) -> None:
+async def test_histograms_are_on_by_default_and_can_be_turned_off(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     async with tickler.open_service(noop) as service:
+        await service.submit(1)
+        await service.join()
+    check(service.statistics().wait_time, [0.0])
+    check(service.statistics().run_time, [0.0])
+    async with tickler.open_service(noop, histograms=False) as service:
         await service.submit(1)
         await service.join()
         statistics = service.statistics()

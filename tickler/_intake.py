@@ -96,6 +96,8 @@ class Intake:
                 engine._wake_from_thread()
         if engine._debug:
             logger.debug("request #%d added, queue length now %d", ticket.id, length + 1)
+        if engine._tracer is not None:
+            engine._tracer.enqueued((ticket,))
         return ticket
 
     def enqueue_grouped(self, request: Any, group: str | None) -> Ticket[Any, Any]:
@@ -205,6 +207,8 @@ class Intake:
                 engine._wake_from_thread()
         if engine._debug:
             logger.debug("request #%d added, key %r, delay %r", ticket.id, key, delay)
+        if engine._tracer is not None:
+            engine._tracer.enqueued((ticket,))
         return ticket
 
     def insert(
@@ -297,6 +301,7 @@ class Intake:
         context = engine._capture_context()
         status = _QUEUED if delay is None else _SCHEDULED
         tickets: list[Ticket[Any, Any]] = []
+        created: list[Ticket[Any, Any]] = []  # the new ones (the rest had their key taken)
         with engine._lock:
             self.check_open()
             # First which requests are new (a key may be taken, or repeated
@@ -334,10 +339,13 @@ class Intake:
                 if each is not None:
                     fresh[each] = ticket
                 tickets.append(ticket)
+                created.append(ticket)
             if on_loop_thread:
                 engine._tickle()
             else:
                 engine._wake_from_thread()
+        if engine._tracer is not None:
+            engine._tracer.enqueued(created)
         return tickets
 
     def enqueue_plain(self, items: list[Any]) -> list[Ticket[Any, Any]]:
@@ -393,6 +401,8 @@ class Intake:
                 engine._tickle()
             else:
                 engine._wake_from_thread()
+        if engine._tracer is not None:
+            engine._tracer.enqueued(tickets)
         return tickets
 
     def check_open(self) -> None:
@@ -430,9 +440,9 @@ class Intake:
         """Recompute the hot path's bound. Called with the lock held."""
         engine = self.engine
         bound = engine.max_queue_length
-        # tuned (bench: enqueue): logging at DEBUG sends every enqueue through
-        # enqueue_checked, which logs it: the fast path need not ask.
-        if engine._closed or engine._store_run is not None or engine._debug:
+        # tuned (bench: enqueue): logging at DEBUG, or tracing, sends every enqueue
+        # through enqueue_checked, which logs or traces it: the fast path need not ask.
+        if engine._closed or engine._store_run is not None or engine._debug or engine._tracer:
             engine._admit = 0
         elif bound is not None:
             engine._admit = bound - self.scheduled - self.ranked

@@ -112,6 +112,8 @@ class Outcomes:
             heapq.heappush(heap, (now + delay, next(engine._heap_seq), ticket))
             if heap[0][2] is ticket:
                 engine._tickle()  # the loop must now wake earlier
+            if engine._tracer is not None:
+                engine._tracer.ended(ticket, "retrying", delay=delay, error=exc)
             self.log_retry(ticket, exc, delay, context)
             return
         self.fail(ticket, exc, tb, now)
@@ -282,6 +284,8 @@ class Outcomes:
         engine = self.engine
         engine._finish(ticket, _FAILED, (now, exc, tb, exc.__context__))
         self.failed += 1
+        if engine._tracer is not None:
+            engine._tracer.ended(ticket, "failed", error=exc)
 
     @trio.lowlevel.enable_ki_protection
     def cancel(self, ticket: Ticket[Any, Any], now: float | None, *, stopped: bool = True) -> None:
@@ -295,6 +299,8 @@ class Outcomes:
         self.cancelled += 1
         if stopped:
             engine._stopping.stopped_tickets.append(ticket)
+        if engine._tracer is not None:
+            engine._tracer.ended(ticket, "cancelled", reason="stopped" if stopped else None)
 
     def finish_cancelled(
         self, ticket: Ticket[Any, Any], now: float | None, *, frees_room: bool = False
@@ -307,6 +313,8 @@ class Outcomes:
         engine = self.engine
         self.cancelled += 1
         engine._finish(ticket, _CANCELLED, (now, None))
+        if engine._tracer is not None:
+            engine._tracer.ended(ticket, "cancelled")
         if frees_room and engine._submitters:
             engine._intake.room.unpark()
         engine._tickle()

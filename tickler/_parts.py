@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextvars
 import types
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
 import trio
 
 from ._retry import Retry
-from ._stores._seam import Session, Store
+from ._stores._seam import Batch, BatchResult, Session, Store
 from ._ticket import Ticket
 
 
@@ -253,3 +253,40 @@ class StorePart(Protocol):
         tb: types.TracebackType | None,
         context: contextvars.Context,
     ) -> None: ...
+
+
+class TracerPart(Protocol):
+    """Tracing, once ``tickler.otel.instrument`` turned it on (the engine holds None until then).
+
+    Called only off the hot path: each enqueue goes through the intake while
+    it is on (see ``Intake.set_admit``), the handler is wrapped, and the
+    outcomes and the store side report how each attempt ended.
+    """
+
+    def enqueued(self, tickets: Sequence[Ticket[Any, Any]]) -> None:
+        """New requests were accepted: one producer span, a child of the current span."""
+
+    def ended(
+        self,
+        ticket: Ticket[Any, Any],
+        outcome: str,
+        *,
+        delay: float | None = None,
+        reason: str | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """How ``ticket``'s attempt ended (a no-op if no attempt span is open for it)."""
+
+    def periodic(self, enqueue: Callable[[], object]) -> None:
+        """Call ``enqueue`` (a periodic tick's) outside any trace: the tick starts a new one."""
+
+    def traces_of(self, tickets: Sequence[Ticket[Any, Any]]) -> list[tuple[str, str] | None]:
+        """The W3C (traceparent, tracestate) of each request's enqueue span, to store."""
+
+    def batch_started(self, batch: Batch) -> object:
+        """A batch is about to be exchanged with the store: its span."""
+
+    def batch_ended(
+        self, span: object, result: BatchResult | None, error: BaseException | None
+    ) -> None:
+        """The batch committed (``result``) or failed (``error``)."""

@@ -115,7 +115,8 @@ class Service(_Engine[RequestT, ResultT]):
         name: shown in the repr and in log lines; with a store, the queue.
         store: a :class:`tickler.SqliteStore` or :class:`tickler.PostgresStore`, or None.
         codec: how a store keeps requests and results (JSON by default).
-        histograms: keep wait and run time histograms in ``statistics()``.
+        histograms: keep wait and run time histograms in ``statistics()`` (on by
+            default: False turns them off).
         periodic: :class:`tickler.Periodic` requests to enqueue on their schedules.
         limits: a :class:`tickler.Limit` for each group of requests, or a mapping
             of group names to limits (``"*"``: every other group).
@@ -137,7 +138,7 @@ class Service(_Engine[RequestT, ResultT]):
         name: str = "tickler",
         store: Store | None = None,
         codec: Codec | None = None,
-        histograms: bool = False,
+        histograms: bool = True,
         periodic: Iterable[Periodic] = (),
         limits: Limit | Mapping[str, Limit] | None = None,
     ) -> None:
@@ -267,6 +268,8 @@ class Service(_Engine[RequestT, ResultT]):
 
     def statistics(self) -> ServiceStatistics:
         """Return a consistent snapshot of the counters. Call it from the Trio thread."""
+        if self._histograms:
+            self._tally_all()
         with self._lock:
             queued = len(self._queue) + self._intake.ranked
             return ServiceStatistics(
@@ -552,7 +555,7 @@ async def open_service(
     name: str = "tickler",
     store: Store | None = None,
     codec: Codec | None = None,
-    histograms: bool = False,
+    histograms: bool = True,
     periodic: Iterable[Periodic] = (),
     limits: Limit | Mapping[str, Limit] | None = None,
     shutdown_timeout: float | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left, bisect_right
 
 import attrs
 
@@ -97,9 +98,32 @@ class ServiceStatistics:
     """With a store: batches that failed and were retried (a full disk, a lost connection)."""
     wait_time: Histogram | None = None
     """How long requests waited from their enqueue to their first start: one duration
-    per request that started (a delayed request's includes its delay). ``None`` unless
-    the service was made with ``histograms=True``."""
+    per request that started (a delayed request's includes its delay). ``None`` if the
+    service was made with ``histograms=False``."""
     run_time: Histogram | None = None
     """How long attempts ran, from start to end, whatever their outcome: one duration
-    per attempt that ended. ``None`` unless the service was made with
-    ``histograms=True``."""
+    per attempt that ended. ``None`` if the service was made with
+    ``histograms=False``."""
+
+
+def tally(durations: list[float], counts: list[int]) -> float:
+    """Count ``durations`` into ``counts`` (by :data:`TIME_BUCKETS`) and empty the list;
+    return their sum.
+
+    Sorted first, so that they are counted in C, not one by one: each bucket from the
+    shortest's to the longest's is one bisection.
+    """
+    if not durations:
+        return 0.0
+    durations.sort()
+    first = bisect_left(TIME_BUCKETS, durations[0])
+    last = bisect_left(TIME_BUCKETS, durations[-1])
+    low = 0
+    for bucket in range(first, last):
+        high = bisect_right(durations, TIME_BUCKETS[bucket], low)
+        counts[bucket] += high - low
+        low = high
+    counts[last] += len(durations) - low
+    total = sum(durations)
+    durations.clear()
+    return total

@@ -10,6 +10,7 @@ signal until tickled or until the next due time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -77,7 +78,14 @@ class Supervisor:
                 self.sync.ticks.append((each.name, tick, False, data, each.priority))
                 continue
             try:
-                self.intake.enqueue_keyed(each.request, None, None, each.priority)
+                if engine._tracer is None:
+                    self.intake.enqueue_keyed(each.request, None, None, each.priority)
+                else:  # a tick starts a trace of its own
+                    engine._tracer.periodic(
+                        functools.partial(
+                            self.intake.enqueue_keyed, each.request, None, None, each.priority
+                        )
+                    )
             except (QueueFull, ServiceClosed) as exc:
                 logger.warning(
                     "service %r: the tick of periodic request %r was refused: %s",

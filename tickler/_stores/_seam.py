@@ -68,6 +68,10 @@ priority, unique_until, group, ...); what follows is the engine's own and not wr
     pause: bool | None = None
     """If not None, set the queue's paused flag to it (for every process), before the claim:
     a paused queue's claims take nothing, while its running rows keep their leases."""
+    traces: Sequence[tuple[str, str] | None] | None = None
+    """With tracing on (else None): for each of ``inserts``, the W3C (traceparent,
+    tracestate) of its enqueue span, or None, written into the row of each request that
+    is new; and the claim then also reads each claimed row's (see BatchResult.traces)."""
     ticks: Sequence[tuple[str, float, bool, bytes, int]] = ()
     """Periodic ticks: (name, tick_at, catch_up, request, priority). Each is taken by one
     process only, against the queue's record of the name: with no record yet, the record
@@ -113,6 +117,11 @@ class BatchResult:
     paused: bool = False
     """Whether the queue is paused, after the batch."""
     ticked: list[int] = attrs.Factory(list)
+    traces: dict[int, tuple[str | None, str | None, str | None, int, str | None]] = attrs.Factory(
+        dict
+    )
+    """With Batch.traces: for each claimed row, (traceparent, tracestate, key, priority,
+    group_name)."""
     """For each of Batch.ticks: the id of the request it enqueued, or 0."""
     limited: int = 0
     """With Batch.limits and a claim: how many of the queue's ready rows (queued, or

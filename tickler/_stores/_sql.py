@@ -133,6 +133,11 @@ class Statements:
     """(id,): a row, if the id has one."""
     row_by_id: str
     """(queue, id): the Row."""
+    set_trace: str
+    """(traceparent, tracestate, id): the row's trace context, that of its enqueue span."""
+    traces_of: str
+    """(ids, as Dialect.listed gives them): (id, traceparent, tracestate, key, priority,
+    group_name) of each of those rows."""
     row_by_key: str
     """(queue, key): the Row, the live one first, else the latest."""
     live_by_id: str
@@ -359,6 +364,8 @@ def run_batch(
             result.inserted = _insert_isolated(d, queue, inserts, now, result.refused)
         else:
             result.inserted = _insert(d, queue, inserts, now)
+        if batch.traces:
+            _write_traces(d, batch.traces, result.inserted)
         if batch.ticks:
             result.ticked = _tick(d, queue, batch.ticks, now)
         if batch.started:
@@ -381,6 +388,8 @@ def run_batch(
                 rows = claimed()
                 rows.sort(key=_claim_order)
                 result.claimed = rows
+                if batch.traces is not None and rows:
+                    result.traces = _read_traces(d, [row[0] for row in rows])
             result.next_due, result.live, paused = due_and_live()
             result.paused = bool(paused)
 
@@ -428,6 +437,23 @@ def _claim(
         return claimed
 
     return rows
+
+
+def _write_traces(
+    d: Dialect, traces: Sequence[tuple[str, str] | None], inserted: list[tuple[int, bool]]
+) -> None:
+    """Each new row's trace context: that of the span that enqueued it (see Batch.traces)."""
+    for trace, (request_id, new) in zip(traces, inserted, strict=True):
+        if trace is not None and new:
+            d.execute(d.statements.set_trace, (trace[0], trace[1] or None, request_id))
+
+
+def _read_traces(
+    d: Dialect, ids: list[int]
+) -> dict[int, tuple[str | None, str | None, str | None, int, str | None]]:
+    """The trace context, key, priority and group of each of the claimed rows ``ids``."""
+    rows = d.execute(d.statements.traces_of, (d.listed(ids),)).fetchall()
+    return {row[0]: (row[1], row[2], row[3], row[4], row[5]) for row in rows}
 
 
 def _read_finals(d: Dialect, watched: Sequence[int], result: BatchResult) -> None:

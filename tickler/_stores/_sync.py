@@ -49,6 +49,9 @@ from ._seam import Batch, BatchResult, Row, Session, Store
 
 _T = TypeVar("_T")
 
+# The outcome an attempt's span gives for each kind of outcome the store writes.
+_TRACED = {"handed_back": "withdrawn"}
+
 # With a store, the most a process claims ahead of its free slots, in capacities.
 _AHEAD = 8
 
@@ -206,6 +209,9 @@ class StoreSync:
             prune=check,
             finished_since=self.finals_since if check else None,
         )
+        tracer = self.engine._tracer
+        if tracer is not None:
+            batch.traces = tracer.traces_of([entry[7] for entry in pending])
         if check:
             self.looks_begun += 1
             store = self.store
@@ -616,9 +622,13 @@ class StoreSync:
     ) -> BatchResult | None:
         """Run a batch; if it fails, put its work back, count and log it, and return None."""
         engine = self.engine
+        tracer = engine._tracer
+        span = tracer.batch_started(batch) if tracer is not None else None
         try:
             result = await self.run_batch(engine.name, batch)
         except BaseException as exc:
+            if tracer is not None:
+                tracer.batch_ended(span, None, exc)
             # Nothing accepted is dropped: it goes into the next try, or into
             # the final flush if the run is ending.
             self.put_back(engine._lock, pending, outcomes)
@@ -634,6 +644,8 @@ class StoreSync:
                 self.failures,
             )
             return None
+        if tracer is not None:
+            tracer.batch_ended(span, result, None)
         self.failures = 0
         return result
 
@@ -807,6 +819,8 @@ class StoreSync:
                 engine._tickle()
             else:
                 engine._wake_from_thread()
+        if engine._tracer is not None:
+            engine._tracer.enqueued((ticket,))
         return ticket
 
     def encode(self, request: Any) -> tuple[bytes, Any]:
@@ -877,6 +891,8 @@ class StoreSync:
                 engine._tickle()
             else:
                 engine._wake_from_thread()
+        if engine._tracer is not None:
+            engine._tracer.enqueued(tickets)
         return tickets
 
     # -- what ended: recorded here, written by the next batch, which then finishes tickets
@@ -893,6 +909,14 @@ class StoreSync:
         self.outcomes.append((kind, ticket, values, local))
         if kind == "handed_back" or kind == "returned":
             engine._stopping.stopped_tickets.append(ticket)
+        if engine._tracer is not None:
+            engine._tracer.ended(
+                ticket,
+                _TRACED.get(kind, kind),
+                delay=values[0] - wall_clock() if kind == "retrying" else None,
+                reason="stopped" if kind == "handed_back" else None,
+                error=local[0] if kind == "failed" and local is not None else None,
+            )
         engine._tickle()
 
     def record_success(
@@ -939,6 +963,8 @@ class StoreSync:
             self.reasons.pop(ticket.id, None)
         if isinstance(exc, Withdrawn):
             if exc.reason == "lost":
+                if engine._tracer is not None:
+                    engine._tracer.ended(ticket, "withdrawn", reason="lost")
                 # Another process holds the request now: wait for its outcome.
                 self.tickets.pop(ticket.id, None)
                 self.local.discard(ticket.id)

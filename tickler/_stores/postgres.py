@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _T = TypeVar("_T")
 
@@ -93,7 +93,8 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled');
 {_V2};
 {_V3};
-{_V4}
+{_V4};
+{_TRACE_CONTEXT}
 """
 
 # Version 2, from version 1: each row's priority and the time until which it holds its
@@ -226,10 +227,18 @@ ON CONFLICT DO NOTHING
 
 _V4 = _V4.format(_MINUTES=_MINUTES.format(_BACKFILL=BACKFILL_MINUTES))
 
-_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3, _V4=_V4)
+# The step that adds each row's trace context: the W3C traceparent and tracestate of the
+# span that enqueued it (tickler.otel), read by the process that claims it. A step of its
+# own, skipped where the schema already has it.
+_TRACE_CONTEXT = """
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS traceparent TEXT;
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS tracestate TEXT
+"""
+
+_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3, _V4=_V4, _TRACE_CONTEXT=_TRACE_CONTEXT)
 
 # From each older version, the statements that bring a schema to the next one.
-_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3, 3: _V4}
+_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3, 3: _V4, 4: _TRACE_CONTEXT}
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
@@ -274,6 +283,9 @@ _STATEMENTS = Statements(
     " AND (unique_until IS NULL OR unique_until <= %s) LIMIT %s)",
     has="SELECT 1 FROM tickler_requests WHERE id = %s",
     row_by_id=f"{_ROW} WHERE queue = %s AND id = %s",
+    set_trace="UPDATE tickler_requests SET traceparent = %s, tracestate = %s WHERE id = %s",
+    traces_of="SELECT id, traceparent, tracestate, key, priority, group_name"
+    " FROM tickler_requests WHERE id = ANY(%s)",
     row_by_key=f"{_ROW} WHERE queue = %s AND key = %s"
     " ORDER BY state NOT IN ('queued', 'scheduled', 'running', 'retrying'), id DESC LIMIT 1",
     live_by_id=f"{_LIVE_WHERE} id = %s{_FOR_UPDATE}",

@@ -41,7 +41,7 @@ from ._sql import (
     seconds,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _T = TypeVar("_T")
 
@@ -238,12 +238,26 @@ def _to_v5(db: sqlite3.Connection) -> None:
         db.execute(create)
 
 
+def _add_trace_context(db: sqlite3.Connection) -> None:
+    """The step that adds each row's trace context: the W3C traceparent and tracestate of
+    the span that enqueued it (tickler.otel), read by the process that claims it.
+
+    A step of its own, skipped where the file already has it.
+    """
+    columns = {row[1] for row in db.execute("PRAGMA table_info(tickler_requests)")}
+    if "traceparent" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN traceparent TEXT")
+    if "tracestate" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN tracestate TEXT")
+
+
 # From each older version, what brings a file to the next one.
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _to_v2,
     2: _to_v3,
     3: _to_v4,
     4: _to_v5,
+    5: _add_trace_context,
 }
 
 # A keyed row, unless its key is held by a row whose unique_until has not come, or live
@@ -321,6 +335,9 @@ _STATEMENTS = Statements(
     " AND (unique_until IS NULL OR unique_until <= ?) LIMIT ?)",
     has="SELECT 1 FROM tickler_requests WHERE id = ?",
     row_by_id=f"{_ROW} WHERE queue = ? AND id = ?",
+    set_trace="UPDATE tickler_requests SET traceparent = ?, tracestate = ? WHERE id = ?",
+    traces_of="SELECT id, traceparent, tracestate, key, priority, group_name"
+    " FROM tickler_requests WHERE id IN (SELECT value FROM json_each(?))",
     row_by_key=f"{_ROW} WHERE queue = ? AND key = ?"
     " ORDER BY state NOT IN ('queued', 'scheduled', 'running', 'retrying'), id DESC LIMIT 1",
     live_by_id=f"{_LIVE_WHERE} id = ?",
@@ -955,6 +972,7 @@ def _check_schema(db: sqlite3.Connection, path: Path) -> None:
                         db.execute(statement)
                 _to_v4(db)
                 _to_v5(db)
+                _add_trace_context(db)
                 db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
                 db.execute("COMMIT")
         except BaseException:

@@ -1,0 +1,303 @@
+"""tickler.otel: spans in memory, read back from the OpenTelemetry SDK's in-memory exporter.
+
+Across processes (the trace context in a store's rows): tests/test_otel_processes.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import tickler
+from tickler.otel import instrument, uninstrument
+
+FAST: dict[str, Any] = {"poll_interval": 0.05, "lease": 2.0}
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def named(exporter: InMemorySpanExporter, prefix: str) -> list[ReadableSpan]:
+    return [span for span in exporter.get_finished_spans() if span.name.startswith(prefix)]
+
+
+def attempts_of(exporter: InMemorySpanExporter, request_id: int) -> list[ReadableSpan]:
+    found = [
+        span
+        for span in named(exporter, "process ")
+        if span.attributes and span.attributes.get("messaging.message.id") == str(request_id)
+    ]
+    return sorted(found, key=lambda span: int(span.attributes["tickler.attempt"]))  # type: ignore[index,arg-type]
+
+
+def parent_id(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+async def test_one_trace_holds_the_web_request_the_enqueue_and_both_attempts(
+    autojump_clock: trio.abc.Clock, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+    failures = [ValueError("flaky")]
+
+    async def handler(request: int) -> int:
+        if failures:
+            raise failures.pop()
+        return request * 2
+
+    retry = tickler.Retry(attempts=3, initial=1.0, jitter=False)
+    async with tickler.open_service(handler, retry=retry, name="mail") as service:
+        instrument(service, tracer_provider=provider)
+        # A span as a web framework opens one around each HTTP request.
+        with provider.get_tracer("web").start_as_current_span("GET /signup") as web:
+            ticket = service.enqueue_request(21)
+        assert await ticket.wait() == 42
+    (enqueue,) = named(exporter, "send mail")
+    first, second = attempts_of(exporter, ticket.id)
+    trace_id = web.get_span_context().trace_id
+    assert {s.context.trace_id for s in (enqueue, first, second)} == {trace_id}
+    assert enqueue.kind is SpanKind.PRODUCER
+    assert parent_id(enqueue) == web.get_span_context().span_id
+    # Each attempt is a child of the enqueue span, the retry a span of its own.
+    assert parent_id(first) == parent_id(second) == enqueue.context.span_id
+    assert first.kind is second.kind is SpanKind.CONSUMER
+    assert first.attributes is not None
+    assert second.attributes is not None
+    assert first.attributes["tickler.outcome"] == "retrying"
+    assert first.attributes["tickler.retry.delay"] == pytest.approx(1.0)
+    assert first.status.status_code is StatusCode.ERROR
+    assert [event.name for event in first.events] == ["exception"]
+    assert first.events[0].attributes["exception.type"] == "ValueError"  # type: ignore[index]
+    assert second.attributes["tickler.outcome"] == "succeeded"
+    assert second.attributes["tickler.attempt"] == 2
+    assert first.attributes["messaging.system"] == "tickler"
+    assert first.attributes["messaging.destination.name"] == "mail"
+
+
+async def test_a_cancelled_request_s_span_says_so(
+    autojump_clock: trio.abc.Clock, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+    started = trio.Event()
+
+    async def handler(request: object) -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    async with tickler.open_service(handler) as service:
+        instrument(service, tracer_provider=provider)
+        ticket = service.enqueue_request("x")
+        await started.wait()
+        assert await service.cancel(ticket.id)
+        with pytest.raises(tickler.RequestCancelled):
+            await ticket.wait()
+    (attempt,) = attempts_of(exporter, ticket.id)
+    assert attempt.attributes is not None
+    assert attempt.attributes["tickler.outcome"] == "cancelled"
+
+
+async def test_a_final_failure_records_its_exception(
+    autojump_clock: trio.abc.Clock, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+
+    async def handler(request: object) -> None:
+        raise KeyError("gone")
+
+    async with tickler.open_service(handler, on_error=lambda ticket, exc: None) as service:
+        instrument(service, tracer_provider=provider)
+        ticket = service.enqueue_request("x", key="k", priority=3)
+        with pytest.raises(KeyError):
+            await ticket.wait()
+    (attempt,) = attempts_of(exporter, ticket.id)
+    assert attempt.attributes is not None
+    assert attempt.attributes["tickler.outcome"] == "failed"
+    assert attempt.attributes["tickler.key"] == "k"
+    assert attempt.attributes["tickler.priority"] == 3
+    assert attempt.attributes["error.type"] == "KeyError"
+    assert attempt.status.status_code is StatusCode.ERROR
+    assert attempt.events[0].attributes["exception.message"] == "'gone'"  # type: ignore[index]
+
+
+async def test_the_handler_runs_in_its_attempt_span(
+    autojump_clock: trio.abc.Clock, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+    tracer = provider.get_tracer("app")
+
+    async def handler(request: object) -> None:
+        with tracer.start_as_current_span("send the mail"):
+            await trio.sleep(0.1)
+
+    limits = {"mailer": tickler.Limit(concurrency=5)}  # (a group is kept where it has a limit)
+    async with tickler.open_service(handler, limits=limits) as service:
+        instrument(service, tracer_provider=provider)
+        tickets = service.enqueue_many(["a", "b"], group="mailer")
+        for ticket in tickets:
+            await ticket.wait()
+    (enqueue,) = named(exporter, "send tickler")
+    assert enqueue.attributes is not None
+    assert enqueue.attributes["messaging.batch.message_count"] == 2
+    inner = named(exporter, "send the mail")
+    assert len(inner) == 2
+    for ticket in tickets:
+        (attempt,) = attempts_of(exporter, ticket.id)
+        assert parent_id(attempt) == enqueue.context.span_id
+        assert attempt.attributes is not None
+        assert attempt.attributes["tickler.group"] == "mailer"
+        assert any(parent_id(span) == attempt.context.span_id for span in inner)
+
+
+async def test_instrumented_while_running_and_turned_off_again(
+    autojump_clock: trio.abc.Clock, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+
+    async def handler(request: object) -> None:
+        await trio.sleep(1)
+
+    async with tickler.open_service(handler, capacity=1) as service:
+        await service.enqueue_request("before").wait()  # its processor parks, then goes on
+        instrument(service, tracer_provider=provider)
+        traced = service.enqueue_request("traced")
+        await traced.wait()
+        uninstrument(service)
+        untraced = service.enqueue_request("after")
+        await untraced.wait()
+    assert [span.attributes["messaging.message.id"] for span in named(exporter, "process ")] == [  # type: ignore[index]
+        str(traced.id)
+    ]
+    assert len(named(exporter, "send ")) == 1
+
+
+async def test_a_periodic_tick_starts_a_new_trace(
+    autojump_clock: trio.abc.Clock, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+    done = trio.Event()
+
+    async def handler(request: object) -> None:
+        done.set()
+
+    service = tickler.Service(handler, periodic=[tickler.Periodic("tick", "t", every=10)])
+    instrument(service, tracer_provider=provider)
+    tracer = provider.get_tracer("app")
+    async with trio.open_nursery() as nursery:
+        with tracer.start_as_current_span("startup") as startup:
+            await nursery.start(service.run)
+        await done.wait()
+        await service.stop()
+    (attempt,) = named(exporter, "process ")
+    (enqueue,) = named(exporter, "send ")
+    assert parent_id(attempt) == enqueue.context.span_id
+    assert enqueue.parent is None  # a root: not under the span the run started in
+    assert attempt.context.trace_id != startup.get_span_context().trace_id
+
+
+async def test_each_store_batch_has_a_span_with_its_counts(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+
+    async def handler(request: int) -> int:
+        return request
+
+    store = tickler.SqliteStore(tmp_path / "q.db", **FAST)
+    async with tickler.open_service(handler, store=store, name="jobs") as service:
+        instrument(service, tracer_provider=provider)
+        with provider.get_tracer("web").start_as_current_span("POST /jobs") as web:
+            tickets = [service.enqueue_request(n) for n in range(3)]
+        for ticket in tickets:
+            assert await ticket.wait() == ticket.request
+    batches = named(exporter, "exchange jobs")
+    assert batches
+    totals: dict[str, int] = {}
+    for batch in batches:
+        assert batch.kind is SpanKind.INTERNAL
+        assert batch.parent is None
+        for name in ("tickler.batch.inserted", "tickler.batch.claimed", "tickler.batch.written"):
+            totals[name] = totals.get(name, 0) + int(batch.attributes[name])  # type: ignore[index,arg-type]
+    assert totals == {
+        "tickler.batch.inserted": 3,
+        "tickler.batch.claimed": 3,
+        "tickler.batch.written": 3,
+    }
+    enqueues = {span.context.span_id for span in named(exporter, "send jobs")}
+    assert len(enqueues) == 3
+    linked = [link.context.span_id for batch in batches for link in batch.links]
+    assert sorted(linked) == sorted(enqueues)
+    parents = set()
+    for ticket in tickets:
+        (attempt,) = attempts_of(exporter, ticket.id)
+        assert attempt.context.trace_id == web.get_span_context().trace_id
+        parents.add(parent_id(attempt))
+        assert attempt.attributes["tickler.outcome"] == "succeeded"  # type: ignore[index]
+    assert parents == enqueues
+
+
+def test_instrument_refuses_what_is_not_a_service() -> None:
+    with pytest.raises(TypeError, match=r"service must be a tickler\.Service"):
+        instrument(object())  # type: ignore[arg-type]
+
+    async def handler(request: object) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="tracer_provider must be"):
+        instrument(tickler.Service(handler), tracer_provider=object())  # type: ignore[arg-type]
+
+
+def test_untraced_services_never_import_opentelemetry(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import trio
+        import tickler
+
+        async def handler(request):
+            return request
+
+        async def main():
+            async with tickler.open_service(handler, histograms=True) as service:
+                assert await service.enqueue_request(1).wait() == 1
+            store = tickler.SqliteStore({str(tmp_path / "q.db")!r}, poll_interval=0.05)
+            async with tickler.open_service(handler, store=store) as service:
+                assert await service.enqueue_request(2).wait() == 2
+                await service.submit(3)
+
+        trio.run(main)
+        loaded = sorted(name for name in sys.modules if name.startswith("opentelemetry"))
+        print(loaded)
+        """
+    )
+    done = subprocess.run(  # noqa: S603 - our own interpreter running our own script
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
+    # The same script, instrumented, does import it: the check can see an import.
+    traced = script.replace(
+        "async with tickler.open_service(handler, histograms=True) as service:",
+        "async with tickler.open_service(handler, histograms=True) as service:\n"
+        "        __import__('importlib').import_module('tickler.otel').instrument(service)",
+    )
+    done = subprocess.run(  # noqa: S603 - our own interpreter running our own script
+        [sys.executable, "-c", traced], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "'opentelemetry.trace'" in done.stdout

@@ -1,0 +1,318 @@
+"""OpenTelemetry tracing for a service: ``instrument(service)``.
+
+Needs the ``otel`` extra (``pip install 'trio-tickler[otel]'``, which brings
+opentelemetry-api only); nothing of tickler imports this module, so a service
+that is not instrumented never imports OpenTelemetry.
+
+What it traces, following the OpenTelemetry semantic conventions for
+messaging (``messaging.system`` is ``tickler``, the destination is the
+service's queue, the message id is the request's id):
+
+- each enqueue (``enqueue_request``, ``submit``, ``enqueue_many``): a
+  PRODUCER span ``send <queue>``, a child of the span current where it was
+  called;
+- each attempt: a CONSUMER span ``process <queue>``, whose parent is the
+  enqueue's span, in this process or, through the row's W3C ``traceparent``
+  and ``tracestate``, in another one; with the attempt number, the request's
+  key, priority and group where set, and ``tickler.outcome``: succeeded,
+  failed, retrying (with ``tickler.retry.delay``), cancelled or withdrawn
+  (with ``tickler.withdrawn.reason``, ``lost`` for a lease taken over by
+  another process); a failure's exception is recorded on it. The handler runs
+  with that span current;
+- a periodic tick's request has no enqueuer: its spans start a new trace;
+- each batch exchanged with a store: an INTERNAL span ``exchange <queue>``
+  with the counts it wrote and claimed, linked to the enqueue spans of the
+  requests it inserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
+
+from ._current import ATTEMPTS
+from ._service import Service
+from ._stores._seam import Batch, BatchResult
+from ._ticket import Ticket
+
+__all__ = ["instrument", "uninstrument"]
+
+_SYSTEM = "tickler"
+# The outcomes that end a request's last attempt: its enqueue span is no longer needed.
+_RETRIED = "retrying"
+
+
+def instrument(
+    service: Service[Any, Any], *, tracer_provider: trace.TracerProvider | None = None
+) -> None:
+    """Turn tracing on for ``service``, before or while it runs.
+
+    Without ``tracer_provider``, the global one (``trace.set_tracer_provider``)
+    gives the tracer. Instrumenting again replaces the provider.
+
+    Raises:
+        TypeError: ``service`` is not a :class:`tickler.Service`, or
+            ``tracer_provider`` not a TracerProvider.
+    """
+    if not isinstance(service, Service):
+        raise TypeError(f"service must be a tickler.Service, not {type(service).__name__}")
+    if tracer_provider is not None and not isinstance(tracer_provider, trace.TracerProvider):
+        raise TypeError(
+            "tracer_provider must be an opentelemetry.trace.TracerProvider or None,"
+            f" not {type(tracer_provider).__name__}"
+        )
+    tracer = trace.get_tracer("tickler", tracer_provider=tracer_provider)
+    previous = service._tracer
+    handler = previous.handler if isinstance(previous, _Tracing) else service._handler
+    tracing = _Tracing(service, tracer, handler)
+    service._handler = tracing.wrap(handler)
+    with service._lock:
+        service._tracer = tracing
+        service._intake.set_admit()
+
+
+def uninstrument(service: Service[Any, Any]) -> None:
+    """Turn tracing off for ``service``: its enqueues and attempts from now on make no span."""
+    tracing = service._tracer
+    if not isinstance(tracing, _Tracing):
+        return
+    service._handler = tracing.handler
+    with service._lock:
+        service._tracer = None
+        service._intake.set_admit()
+
+
+def _traceparent(span_context: SpanContext) -> tuple[str, str]:
+    """The W3C traceparent and tracestate headers of ``span_context``."""
+    return (
+        f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}"
+        f"-{int(span_context.trace_flags):02x}",
+        span_context.trace_state.to_header(),
+    )
+
+
+def _remote(traceparent: str, tracestate: str | None) -> SpanContext | None:
+    """The span context a row's traceparent and tracestate name, or None if they are not valid."""
+    parts = traceparent.split("-")
+    if len(parts) != 4 or parts[0] != "00" or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    state = TraceState.from_header([tracestate]) if tracestate else TraceState()
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags),
+                       trace_state=state)  # fmt: skip
+
+
+class _Tracing:
+    """The service's tracer (its ``_tracer``, a ``_parts.TracerPart``), and the spans it keeps."""
+
+    def __init__(
+        self,
+        service: Service[Any, Any],
+        tracer: trace.Tracer,
+        handler: Callable[[Any], Awaitable[Any]],
+    ) -> None:
+        self.service = service
+        self.tracer = tracer
+        self.handler = handler
+        self.queue = service.name
+        # The enqueue span of each request enqueued here, until its last attempt ended
+        # (in memory) or its row was written (with a store).
+        self.parents: dict[Ticket[Any, Any], SpanContext] = {}
+        # What a store's claim read of each claimed row: (traceparent, tracestate, key,
+        # priority, group), by request id, until its attempt starts.
+        self.rows: dict[int, tuple[str | None, str | None, str | None, int, str | None]] = {}
+        # The attempt span of each attempt whose outcome is not known yet.
+        self.open: dict[Ticket[Any, Any], Span] = {}
+
+    def _attributes(self, operation: str, kind: str) -> dict[str, Any]:
+        return {
+            "messaging.system": _SYSTEM,
+            "messaging.destination.name": self.queue,
+            "messaging.operation.type": kind,
+            "messaging.operation.name": operation,
+        }
+
+    # -- enqueues
+
+    def enqueued(self, tickets: Sequence[Ticket[Any, Any]]) -> None:
+        if not tickets:
+            return
+        attributes = self._attributes("enqueue", "send")
+        if len(tickets) > 1:
+            attributes["messaging.batch.message_count"] = len(tickets)
+        elif tickets[0].id:
+            attributes["messaging.message.id"] = str(tickets[0].id)
+        span = self.tracer.start_span(
+            f"send {self.queue}", kind=SpanKind.PRODUCER, attributes=attributes
+        )
+        span_context = span.get_span_context()
+        if span_context.is_valid:
+            for ticket in tickets:
+                self.parents[ticket] = span_context
+        span.end()
+
+    def periodic(self, enqueue: Callable[[], object]) -> None:
+        token = otel_context.attach(otel_context.Context())
+        try:
+            enqueue()
+        finally:
+            otel_context.detach(token)
+
+    # -- attempts
+
+    def wrap(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+        """The handler, each of whose attempts runs in its attempt span."""
+
+        async def traced(request: Any) -> Any:
+            attempt = ATTEMPTS.get(trio.lowlevel.current_task())
+            ticket = attempt.ticket if attempt is not None else None
+            if ticket is None:
+                return await handler(request)
+            span = self._start(ticket)
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                try:
+                    result = await handler(request)
+                except Exception as exc:
+                    span.record_exception(exc)
+                    raise
+            if self.service._store_run is None:
+                self.ended(ticket, "succeeded")
+            # (With a store, StoreSync.record says how it ended: its result may not encode.)
+            return result
+
+        return traced
+
+    def _start(self, ticket: Ticket[Any, Any]) -> Span:
+        service = self.service
+        attributes = self._attributes("process", "process")
+        attributes["messaging.message.id"] = str(ticket.id)
+        attributes["tickler.attempt"] = ticket.attempts
+        parent = self.parents.get(ticket)
+        row = self.rows.pop(ticket.id, None)
+        if row is not None:
+            traceparent, tracestate, key, priority, group = row
+            parent = _remote(traceparent, tracestate) if traceparent else None
+        else:
+            intake = service._intake
+            key = intake.key_of.get(ticket)  # type: ignore[assignment]
+            priority = intake.priority_of.get(ticket, 0)
+            groups = service._groups
+            group = groups.group_of.get(ticket) if groups is not None else None
+        if key is not None:
+            attributes["tickler.key"] = str(key)
+        if priority:
+            attributes["tickler.priority"] = priority
+        if group is not None:
+            attributes["tickler.group"] = group
+        # No enqueue span (a periodic tick, or a request enqueued untraced): a new trace.
+        context = (
+            trace.set_span_in_context(NonRecordingSpan(parent))
+            if parent is not None
+            else otel_context.Context()
+        )
+        span = self.tracer.start_span(
+            f"process {self.queue}", context=context, kind=SpanKind.CONSUMER, attributes=attributes
+        )
+        self.open[ticket] = span
+        return span
+
+    def ended(
+        self,
+        ticket: Ticket[Any, Any],
+        outcome: str,
+        *,
+        delay: float | None = None,
+        reason: str | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        if outcome != _RETRIED:
+            self.parents.pop(ticket, None)
+            self.rows.pop(ticket.id, None)
+        span = self.open.pop(ticket, None)
+        if span is None:
+            return  # no attempt of it started here (or it is already ended)
+        span.set_attribute("tickler.outcome", outcome)
+        if delay is not None:
+            span.set_attribute("tickler.retry.delay", max(delay, 0.0))
+        if reason is not None:
+            span.set_attribute("tickler.withdrawn.reason", reason)
+        if outcome in ("failed", _RETRIED):
+            if error is not None:
+                span.set_attribute("error.type", type(error).__qualname__)
+            span.set_status(Status(StatusCode.ERROR, str(error) if error is not None else None))
+        span.end()
+
+    # -- the store side
+
+    def traces_of(self, tickets: Sequence[Ticket[Any, Any]]) -> list[tuple[str, str] | None]:
+        parents = self.parents
+        found: list[tuple[str, str] | None] = []
+        for ticket in tickets:
+            parent = parents.get(ticket)
+            found.append(_traceparent(parent) if parent is not None else None)
+        return found
+
+    def batch_started(self, batch: Batch) -> object:
+        links = []
+        for entry in batch.inserts[:64]:
+            parent = self.parents.get(entry[7])
+            if parent is not None:
+                links.append(Link(parent))
+        span = self.tracer.start_span(
+            f"exchange {self.queue}",
+            context=otel_context.Context(),  # not part of any one request's trace
+            kind=SpanKind.INTERNAL,
+            links=links,
+            attributes={
+                "messaging.system": _SYSTEM,
+                "messaging.destination.name": self.queue,
+                "tickler.batch.inserts": len(batch.inserts),
+                "tickler.batch.outcomes": len(batch.outcomes),
+                "tickler.batch.ticks": len(batch.ticks),
+                "tickler.batch.claim": batch.claim,
+            },
+        )
+        return span, batch
+
+    def batch_ended(
+        self, span: object, result: BatchResult | None, error: BaseException | None
+    ) -> None:
+        assert isinstance(span, tuple)
+        handle: Span = span[0]
+        batch: Batch = span[1]
+        if result is None:
+            if error is not None:
+                handle.record_exception(error)
+                handle.set_status(Status(StatusCode.ERROR, str(error)))
+            handle.end()
+            return
+        # The rows are written: their enqueue spans travel in them from now on.
+        for entry in batch.inserts:
+            self.parents.pop(entry[7], None)
+        self.rows.update(result.traces)
+        handle.set_attribute("tickler.batch.inserted", sum(new for _, new in result.inserted))
+        handle.set_attribute("tickler.batch.written", sum(a is not None for a in result.applied))
+        handle.set_attribute("tickler.batch.claimed", len(result.claimed))
+        handle.end()
