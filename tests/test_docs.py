@@ -128,6 +128,9 @@ OUTPUTS = {
         "POST /signup\n  send mail\n    process mail retrying\n    process mail succeeded\n"
         "1 trace\n"
     ),
+    ("docs/observability.md", "otel-enqueue-in"): (
+        "POST /orders\n  send invoices\n    process invoices succeeded\n1 trace\n"
+    ),
 }
 # The Python blocks that tests/test_recipes.py saves as files and runs.
 RECIPES = {("docs/recipes.md", name) for name in ("app.py", "serve.py", "test_welcome.py")}

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import tickler
-from tickler.otel import instrument, uninstrument
+from tickler.otel import instrument, instrument_store, uninstrument, uninstrument_store
 
 FAST: dict[str, Any] = {"poll_interval": 0.05, "lease": 2.0}
 
@@ -267,6 +267,7 @@ def test_instrument_refuses_what_is_not_a_service() -> None:
 def test_untraced_services_never_import_opentelemetry(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
+        import sqlite3
         import sys
         import trio
         import tickler
@@ -283,6 +284,13 @@ def test_untraced_services_never_import_opentelemetry(tmp_path: Path) -> None:
                 await service.submit(3)
 
         trio.run(main)
+        # A producer's transactional enqueues, through its own connection.
+        store = tickler.SqliteStore({str(tmp_path / "q.db")!r})
+        with sqlite3.connect(store.path) as connection:
+            store.enqueue_in(connection, "jobs", 4)
+            store.enqueue_many_in(connection, "jobs", [5, 6])
+        connection.close()
+        assert store._tracer is None
         loaded = sorted(name for name in sys.modules if name.startswith("opentelemetry"))
         print(loaded)
         """
@@ -301,3 +309,124 @@ def test_untraced_services_never_import_opentelemetry(tmp_path: Path) -> None:
         [sys.executable, "-c", traced], capture_output=True, text=True, timeout=60, check=True
     )
     assert "'opentelemetry.trace'" in done.stdout
+
+
+# -- A store's enqueue_in and enqueue_many_in
+
+
+def rows_trace(path: Path) -> dict[int, tuple[str | None, str | None]]:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        found = db.execute("SELECT id, traceparent, tracestate FROM tickler_requests").fetchall()
+    db.close()
+    return {row[0]: (row[1], row[2]) for row in found}
+
+
+def traceparent_of(span: ReadableSpan) -> str:
+    assert span.context is not None
+    context = span.context
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def test_enqueue_in_makes_a_producer_span_and_writes_its_trace_context_into_the_rows(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    import sqlite3
+
+    provider, exporter = spans
+    web = provider.get_tracer("web")
+    store = tickler.SqliteStore(tmp_path / "q.db")
+    store.create_schema()
+    # Off: no span, no trace context in the row.
+    with sqlite3.connect(store.path) as connection:
+        untraced = store.enqueue_in(connection, "jobs", 0)
+    instrument_store(store, tracer_provider=provider)
+    with (
+        web.start_as_current_span("POST /orders") as request_span,
+        sqlite3.connect(store.path) as connection,
+    ):
+        one = store.enqueue_in(connection, "jobs", 1, key="k")
+        held = store.enqueue_in(connection, "jobs", 2, key="k")
+        many = store.enqueue_many_in(connection, "jobs", [3, 4, 5], key=lambda r: f"m{r % 2}")
+        assert store.enqueue_many_in(connection, "jobs", []) == []
+    connection.close()
+    assert held == one
+    first, second, batch = named(exporter, "send jobs")
+    for span in (first, second, batch):
+        assert span.kind is SpanKind.PRODUCER
+        assert parent_id(span) == request_span.get_span_context().span_id
+        assert span.attributes is not None
+        assert span.attributes["messaging.system"] == "tickler"
+        assert span.attributes["messaging.destination.name"] == "jobs"
+    assert first.attributes is not None
+    assert batch.attributes is not None
+    assert first.attributes["messaging.message.id"] == str(one)
+    assert batch.attributes["messaging.batch.message_count"] == 3
+    assert "messaging.message.id" not in batch.attributes
+    # Each row written holds its enqueue span's context; a key met again writes no row.
+    assert rows_trace(store.path) == {
+        untraced: (None, None),
+        one: (traceparent_of(first), None),
+        many[0]: (traceparent_of(batch), None),
+        many[1]: (traceparent_of(batch), None),
+    }
+    assert many[2] == many[0]
+    uninstrument_store(store)
+    with sqlite3.connect(store.path) as connection:
+        off = store.enqueue_in(connection, "jobs", 6)
+    connection.close()
+    assert rows_trace(store.path)[off] == (None, None)
+    assert len(named(exporter, "send jobs")) == 3
+
+
+def test_a_rolled_back_enqueue_in_writes_nothing_and_its_span_says_why(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    import sqlite3
+
+    provider, exporter = spans
+    store = tickler.SqliteStore(tmp_path / "q.db")
+    instrument_store(store, tracer_provider=provider)
+    connection = sqlite3.connect(store.path)
+    with pytest.raises(tickler.StoreError, match="no tickler schema"):
+        store.enqueue_in(connection, "jobs", 1)
+    connection.close()
+    (span,) = named(exporter, "send jobs")
+    assert span.status.status_code is StatusCode.ERROR
+    assert [event.name for event in span.events] == ["exception"]
+
+
+async def test_instrument_of_a_service_traces_its_stores_enqueue_in(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    import sqlite3
+
+    provider, exporter = spans
+
+    async def handler(request: object) -> object:
+        return request
+
+    store = tickler.SqliteStore(tmp_path / "q.db", **FAST)
+    async with tickler.open_service(handler, store=store, name="jobs") as service:
+        instrument(service, tracer_provider=provider)
+        with sqlite3.connect(store.path) as connection:
+            traced = store.enqueue_in(connection, "jobs", 1, delay=60.0)
+        connection.close()
+        uninstrument(service)
+        with sqlite3.connect(store.path) as connection:
+            untraced = store.enqueue_in(connection, "jobs", 2, delay=60.0)
+        connection.close()
+        await service.stop(drain=False)
+    (send,) = named(exporter, "send jobs")
+    assert rows_trace(store.path) == {
+        traced: (traceparent_of(send), None),
+        untraced: (None, None),
+    }
+
+
+def test_instrument_store_refuses_what_is_not_a_store() -> None:
+    with pytest.raises(TypeError, match=r"store must be a tickler\.SqliteStore or PostgresStore"):
+        instrument_store(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tracer_provider must be"):
+        instrument_store(tickler.SqliteStore("x.db"), tracer_provider=object())  # type: ignore[arg-type]

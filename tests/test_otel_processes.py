@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tickler
-from tickler.otel import instrument
+from tickler.otel import instrument, instrument_store
 
 ROOT = Path(__file__).parent.parent
 
@@ -76,6 +76,17 @@ def store_of(db: list[str]) -> tickler.SqliteStore | tickler.PostgresStore:
     return tickler.SqliteStore(db[0], **options)
 
 
+def connect(db: list[str]) -> Any:
+    """A connection of the producer's own, as its web framework would hold."""
+    if db[0].startswith("postgresql://"):
+        import psycopg
+
+        return psycopg.connect(db[0])
+    import sqlite3
+
+    return sqlite3.connect(db[0])
+
+
 async def idle(request: object) -> None:
     raise AssertionError("this process only enqueues and cancels")
 
@@ -99,6 +110,17 @@ def run_across_processes(db: list[str], tmp_path: Path) -> None:
             await service.stop(drain=False)
 
     trio.run(enqueue)
+    # A producer that runs no service: its transactional enqueues, through its own
+    # connection, inside the span of another web request.
+    producer = store_of(db)
+    instrument_store(producer, tracer_provider=provider)
+    with web.start_as_current_span("POST /orders"):
+        with connect(db) as connection:
+            ids["direct"] = producer.enqueue_in(connection, "jobs", "direct", delay=1.0)
+            ids["many-1"], ids["many-2"] = producer.enqueue_many_in(
+                connection, "jobs", ["many-1", "many-2"], delay=1.0
+            )
+        connection.close()
     first = start_worker(db, first_spans, log, "--hang", "--lease", "1.0")
     second: subprocess.Popen[bytes] | None = None
     try:
@@ -106,6 +128,9 @@ def run_across_processes(db: list[str], tmp_path: Path) -> None:
             lambda: (
                 {"flaky", "block", "hang"} <= {s[2] for s in starts(log)}
                 and len(attempts(spans_in(first_spans), ids["flaky"])) == 2
+                and all(
+                    attempts(spans_in(first_spans), ids[r]) for r in ("direct", "many-1", "many-2")
+                )
             ),
             first,
             "attempt of every request",
@@ -144,7 +169,9 @@ def run_across_processes(db: list[str], tmp_path: Path) -> None:
         span for span in exporter.get_finished_spans() if span.name == "POST /signup"
     ]
     trace_id = f"{request_span.context.trace_id:032x}"
-    sends = [span for span in exporter.get_finished_spans() if span.name == "send jobs"]
+    (orders_span,) = [span for span in exporter.get_finished_spans() if span.name == "POST /orders"]
+    all_sends = [span for span in exporter.get_finished_spans() if span.name == "send jobs"]
+    sends = [span for span in all_sends if span.parent != orders_span.context]
     assert len(sends) == 3
     for send in sends:
         assert send.parent is not None
@@ -180,6 +207,25 @@ def run_across_processes(db: list[str], tmp_path: Path) -> None:
     assert taken_over["attributes"]["tickler.attempt"] == 2
     assert taken_over["trace_id"] == trace_id
     assert taken_over["parent_id"] in send_ids
+
+    # The producer's enqueue_in and enqueue_many_in: one send span each, children of its
+    # web request's span; the worker's attempts continue that trace from the rows.
+    direct_send, many_send = [span for span in all_sends if span not in sends]
+    for send in (direct_send, many_send):
+        assert send.parent is not None
+        assert send.parent.span_id == orders_span.context.span_id
+        assert send.kind.name == "PRODUCER"
+    assert direct_send.attributes is not None
+    assert many_send.attributes is not None
+    assert direct_send.attributes["messaging.message.id"] == str(ids["direct"])
+    assert many_send.attributes["messaging.batch.message_count"] == 2
+    orders_trace = f"{orders_span.context.trace_id:032x}"
+    assert orders_trace != trace_id
+    for request, send in (("direct", direct_send), ("many-1", many_send), ("many-2", many_send)):
+        (attempt,) = attempts(in_first, ids[request])
+        assert attempt["trace_id"] == orders_trace
+        assert attempt["parent_id"] == f"{send.context.span_id:016x}"
+        assert attempt["attributes"]["tickler.outcome"] == "succeeded"
 
     # Each worker's batches: internal spans, with the rows they claimed.
     batches = [span for span in in_first if span["name"] == "exchange jobs"]

@@ -8,9 +8,10 @@ What it traces, following the OpenTelemetry semantic conventions for
 messaging (``messaging.system`` is ``tickler``, the destination is the
 service's queue, the message id is the request's id):
 
-- each enqueue (``enqueue_request``, ``submit``, ``enqueue_many``): a
-  PRODUCER span ``send <queue>``, a child of the span current where it was
-  called;
+- each enqueue (``enqueue_request``, ``submit``, ``enqueue_many``, and a
+  store's ``enqueue_in`` and ``enqueue_many_in`` once ``instrument_store(store)``
+  or ``instrument(service)`` of a service on that store ran): a PRODUCER span
+  ``send <queue>``, a child of the span current where it was called;
 - each attempt: a CONSUMER span ``process <queue>``, whose parent is the
   enqueue's span, in this process or, through the row's W3C ``traceparent``
   and ``tracestate``, in another one; with the attempt number, the request's
@@ -48,9 +49,11 @@ from opentelemetry.trace import (
 from ._current import ATTEMPTS
 from ._service import Service
 from ._stores._seam import Batch, BatchResult
+from ._stores.postgres import PostgresStore
+from ._stores.sqlite import SqliteStore
 from ._ticket import Ticket
 
-__all__ = ["instrument", "uninstrument"]
+__all__ = ["instrument", "instrument_store", "uninstrument", "uninstrument_store"]
 
 _SYSTEM = "tickler"
 # The outcomes that end a request's last attempt: its enqueue span is no longer needed.
@@ -77,6 +80,8 @@ def instrument(
             f" not {type(tracer_provider).__name__}"
         )
     tracer = trace.get_tracer("tickler", tracer_provider=tracer_provider)
+    if service._store_run is not None:
+        _traced_store(service._store_run.store)._tracer = _StoreTracing(tracer)
     previous = service._tracer
     handler = previous.handler if isinstance(previous, _Tracing) else service._handler
     tracing = _Tracing(service, tracer, handler)
@@ -87,7 +92,10 @@ def instrument(
 
 
 def uninstrument(service: Service[Any, Any]) -> None:
-    """Turn tracing off for ``service``: its enqueues and attempts from now on make no span."""
+    """Turn tracing off for ``service`` (and its store's ``enqueue_in``): its enqueues and
+    attempts from now on make no span."""
+    if service._store_run is not None:
+        _traced_store(service._store_run.store)._tracer = None
     tracing = service._tracer
     if not isinstance(tracing, _Tracing):
         return
@@ -95,6 +103,72 @@ def uninstrument(service: Service[Any, Any]) -> None:
     with service._lock:
         service._tracer = None
         service._intake.set_admit()
+
+
+def instrument_store(
+    store: SqliteStore | PostgresStore, *, tracer_provider: trace.TracerProvider | None = None
+) -> None:
+    """Trace ``store.enqueue_in`` and ``store.enqueue_many_in``, in a process that runs no
+    service on ``store`` (``instrument(service)`` of a service on it does this too).
+
+    Each call makes a PRODUCER span ``send <queue>``, a child of the span
+    current where it was called, and writes that span's W3C traceparent and
+    tracestate into the rows it inserts, in the caller's transaction: the
+    attempts, in whichever process, continue its trace. Without
+    ``tracer_provider``, the global one gives the tracer.
+
+    Raises:
+        TypeError: ``store`` is not a SqliteStore or PostgresStore, or
+            ``tracer_provider`` not a TracerProvider.
+    """
+    _traced_store(store)
+    if tracer_provider is not None and not isinstance(tracer_provider, trace.TracerProvider):
+        raise TypeError(
+            "tracer_provider must be an opentelemetry.trace.TracerProvider or None,"
+            f" not {type(tracer_provider).__name__}"
+        )
+    store._tracer = _StoreTracing(trace.get_tracer("tickler", tracer_provider=tracer_provider))
+
+
+def uninstrument_store(store: SqliteStore | PostgresStore) -> None:
+    """Turn tracing off for ``store.enqueue_in`` and ``store.enqueue_many_in``."""
+    _traced_store(store)._tracer = None
+
+
+def _traced_store(store: object) -> SqliteStore | PostgresStore:
+    if not isinstance(store, SqliteStore | PostgresStore):
+        raise TypeError(
+            f"store must be a tickler.SqliteStore or PostgresStore, not {type(store).__name__}"
+        )
+    return store
+
+
+class _StoreTracing:
+    """A store's tracer (its ``_tracer``, an ``_sql.EnqueueTracer``): the enqueue_in spans."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self.tracer = tracer
+
+    def send(
+        self, queue: str, count: int, write: Callable[[tuple[str, str] | None], list[int]]
+    ) -> list[int]:
+        attributes: dict[str, Any] = {
+            "messaging.system": _SYSTEM,
+            "messaging.destination.name": queue,
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "enqueue",
+        }
+        if count > 1:
+            attributes["messaging.batch.message_count"] = count
+        span = self.tracer.start_span(
+            f"send {queue}", kind=SpanKind.PRODUCER, attributes=attributes
+        )
+        span_context = span.get_span_context()
+        with trace.use_span(span, end_on_exit=True):
+            ids = write(_traceparent(span_context) if span_context.is_valid else None)
+            if count == 1:
+                span.set_attribute("messaging.message.id", str(ids[0]))
+        return ids
 
 
 def _traceparent(span_context: SpanContext) -> tuple[str, str]:

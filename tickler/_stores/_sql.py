@@ -641,6 +641,17 @@ def insert_keyed(
 _JSON = JsonCodec()
 
 
+class EnqueueTracer(Protocol):
+    """A store's tracer for ``enqueue_in`` and ``enqueue_many_in`` (``tickler.otel``), or None."""
+
+    def send(
+        self, queue: str, count: int, write: Callable[[tuple[str, str] | None], list[int]]
+    ) -> list[int]:
+        """Call ``write`` inside an enqueue span of ``count`` requests, with the span's W3C
+        (traceparent, tracestate) for the rows it inserts (None: no valid span); its ids."""
+        ...
+
+
 @attrs.frozen
 class Enqueue:
     """What ``enqueue_in`` and ``enqueue_many_in`` write, checked and encoded."""

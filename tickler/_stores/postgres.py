@@ -28,6 +28,7 @@ from ._sql import (
     SETS,
     Enqueue,
     LimitedMemo,
+    EnqueueTracer,
     QueueReport,
     Statements,
     cancel,
@@ -623,6 +624,8 @@ class PostgresStore:
         self.schema = schema
         self.retention = seconds("retention", retention, allow_zero=True)
         self._codecs: dict[str, Codec] = {}
+        # tickler.otel's, while enqueue_in and enqueue_many_in are traced.
+        self._tracer: EnqueueTracer | None = None
         self._enqueue_sql: tuple[str, str] | None = None  # (insert, holders)
         self._enqueue_one_sql: str | None = None
 
@@ -705,7 +708,7 @@ class PostgresStore:
         prepared = prepare_enqueue(
             self._codecs, queue, [request], keyed, delay, priority, unique_for, group
         )
-        return self._enqueue(connection, queue, prepared)[0]
+        return self._traced(connection, queue, prepared)[0]
 
     def enqueue_many_in(
         self,
@@ -739,10 +742,26 @@ class PostgresStore:
         prepared = prepare_enqueue(
             self._codecs, queue, requests, key, delay, priority, unique_for, group
         )
-        return self._enqueue(connection, queue, prepared)
+        return self._traced(connection, queue, prepared)
 
-    def _enqueue(self, connection: psycopg.Connection[Any], queue: str, e: Enqueue) -> list[int]:
-        """Insert prepared requests; their ids. Times are the server's."""
+    def _traced(self, connection: psycopg.Connection[Any], queue: str, e: Enqueue) -> list[int]:
+        """_enqueue, inside an enqueue span while tickler.otel traces this store."""
+        tracer = self._tracer
+        if tracer is None or not e.requests:
+            return self._enqueue(connection, queue, e)
+        return tracer.send(
+            queue, len(e.requests), lambda trace: self._enqueue(connection, queue, e, trace)
+        )
+
+    def _enqueue(
+        self,
+        connection: psycopg.Connection[Any],
+        queue: str,
+        e: Enqueue,
+        trace: tuple[str, str] | None = None,
+    ) -> list[int]:
+        """Insert prepared requests, with ``trace`` (the enqueue span's W3C traceparent and
+        tracestate) in each new row; their ids. Times are the server's."""
         import psycopg
         import psycopg.errors
         import psycopg.rows
@@ -765,6 +784,8 @@ class PostgresStore:
                     (row,) = one.execute(self._enqueue_one_statement(), params).fetchall()
                 except psycopg.errors.UndefinedTable:
                     raise self._no_tables() from None
+                if trace is not None:
+                    one.execute(self._set_traces_statement(), (*trace, [row[0]]))
             return [row[0]]
         insert, holders_sql = self._enqueue_statements()
         fixed: dict[str, Any] = {
@@ -779,6 +800,7 @@ class PostgresStore:
         # A cursor of its own reads rows as tuples, whatever the connection's
         # row factory.
         with connection.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
+            new: list[int] = []
 
             def write(rows: list[tuple[str | None, bytes]]) -> list[tuple[int, str | None]]:
                 keys = [key for key, _ in rows]
@@ -786,16 +808,30 @@ class PostgresStore:
                 # Without keys, no array of NULLs: unnest() gives NULL for each
                 # key of a NULL array.
                 params = {**fixed, "keys": keys if any(keys) else None, "requests": requests}
-                return cursor.execute(insert, params, binary=True).fetchall()
+                written = cursor.execute(insert, params, binary=True).fetchall()
+                if trace is not None:
+                    new.extend(request_id for request_id, _ in written)
+                return written
 
             def holders(keys: list[str]) -> dict[str, int]:
                 found = cursor.execute(holders_sql, (queue, keys)).fetchall()
                 return dict(found)
 
             try:
-                return enqueue_rows(write, holders, e.keys, e.requests, f"queue {queue!r}")
+                ids = enqueue_rows(write, holders, e.keys, e.requests, f"queue {queue!r}")
             except psycopg.errors.UndefinedTable:
                 raise self._no_tables() from None
+            if trace is not None and new:
+                cursor.execute(self._set_traces_statement(), (*trace, new))
+            return ids
+
+    def _set_traces_statement(self) -> str:
+        """(traceparent, tracestate, ids): the trace context of the rows an enqueue_in wrote,
+        that of its enqueue span; in this store's schema whatever the caller's search_path."""
+        return (
+            f'UPDATE "{self.schema}".tickler_requests'  # noqa: S608
+            " SET traceparent = %s, tracestate = nullif(%s, '') WHERE id = ANY(%s::int8[])"
+        )
 
     def _no_tables(self) -> StoreError:
         return StoreError(

@@ -28,6 +28,7 @@ from ._sql import (
     SETS,
     Enqueue,
     LimitedMemo,
+    EnqueueTracer,
     QueueReport,
     Statements,
     cancel,
@@ -297,6 +298,13 @@ ORDER BY key, {_LIVE_STATE} DESC, id DESC
 _MANY_ROWS = 1000
 
 
+# The trace context of the rows an enqueue_in wrote: that of its enqueue span.
+_SET_TRACES = (
+    "UPDATE tickler_requests SET traceparent = ?, tracestate = nullif(?, '')"
+    " WHERE id IN (SELECT value FROM json_each(?))"
+)
+
+
 @functools.cache
 def _many_sql(rows: int) -> str:
     """enqueue_many_in's INSERT of ``rows`` rows; only placeholders are formatted in."""
@@ -543,6 +551,8 @@ class SqliteStore:
         self.retention = seconds("retention", retention, allow_zero=True)
         # The codec of each queue's service in this process, for enqueue_in.
         self._codecs: dict[str, Codec] = {}
+        # tickler.otel's, while enqueue_in and enqueue_many_in are traced.
+        self._tracer: EnqueueTracer | None = None
 
     def __repr__(self) -> str:
         return f"tickler.SqliteStore({str(self.path)!r}, synchronous={self.synchronous!r})"
@@ -631,7 +641,7 @@ class SqliteStore:
         prepared = prepare_enqueue(
             self._codecs, queue, [request], keyed, delay, priority, unique_for, group
         )
-        return self._enqueue(connection, queue, prepared)[0]
+        return self._traced(connection, queue, prepared)[0]
 
     def enqueue_many_in(
         self,
@@ -665,12 +675,29 @@ class SqliteStore:
         prepared = prepare_enqueue(
             self._codecs, queue, requests, key, delay, priority, unique_for, group
         )
-        return self._enqueue(connection, queue, prepared)
+        return self._traced(connection, queue, prepared)
 
-    def _enqueue(self, connection: sqlite3.Connection, queue: str, e: Enqueue) -> list[int]:
-        """Insert prepared requests; their ids. Times are this process's clock."""
+    def _traced(self, connection: sqlite3.Connection, queue: str, e: Enqueue) -> list[int]:
+        """_enqueue, inside an enqueue span while tickler.otel traces this store."""
+        tracer = self._tracer
+        if tracer is None or not e.requests:
+            return self._enqueue(connection, queue, e)
+        return tracer.send(
+            queue, len(e.requests), lambda trace: self._enqueue(connection, queue, e, trace)
+        )
+
+    def _enqueue(
+        self,
+        connection: sqlite3.Connection,
+        queue: str,
+        e: Enqueue,
+        trace: tuple[str, str] | None = None,
+    ) -> list[int]:
+        """Insert prepared requests, with ``trace`` (the enqueue span's W3C traceparent and
+        tracestate) in each new row; their ids. Times are this process's clock."""
         hold = None if e.unique_for is None else e.now + e.unique_for
         head = (queue, e.state, e.now + e.delay, e.now, e.priority, hold, e.group)
+        new: list[int] = []
 
         def insert(rows: list[tuple[str | None, bytes]]) -> list[tuple[int, str | None]]:
             written: list[tuple[int, str | None]] = []
@@ -678,6 +705,8 @@ class SqliteStore:
                 chunk = rows[start : start + _MANY_ROWS]
                 params = [*head, *(p for row in chunk for p in row)]
                 written.extend(connection.execute(_many_sql(len(chunk)), params).fetchall())
+            if trace is not None:
+                new.extend(request_id for request_id, _ in written)
             return written
 
         def holders(keys: list[str]) -> dict[str, int]:
@@ -691,7 +720,7 @@ class SqliteStore:
         if not e.requests:
             return []
         try:
-            return enqueue_rows(insert, holders, e.keys, e.requests, f"queue {queue!r}")
+            ids = enqueue_rows(insert, holders, e.keys, e.requests, f"queue {queue!r}")
         except sqlite3.OperationalError as exc:
             if "no such table: tickler_requests" not in str(exc):
                 raise
@@ -700,6 +729,9 @@ class SqliteStore:
                 " (blocking: in a Trio program, through trio.to_thread.run_sync), or start a"
                 " service on the store first"
             ) from None
+        if trace is not None and new:
+            connection.execute(_SET_TRACES, (*trace, json.dumps(new)))
+        return ids
 
 
 class SqliteSession:
