@@ -390,3 +390,81 @@ def test_a_stuck_worker_is_rescued_by_its_lease_and_its_late_results_never_count
         check=True,
     ).stdout
     assert "  rescued: 0 owner_died, 5 lease_lapsed\n" in shown + "\n", shown
+
+
+def check_rescues_counted(store: Any) -> None:
+    """A store migrated from the version before rescues: a dead owner's row is rescued and
+    counted, with its reason in the row."""
+    from tickler._stores._seam import Batch
+
+    store.create_schema()
+    store.create_schema()  # again: nothing to do
+    session = store.connect()
+    try:
+        first = session.run("jobs", "first", 30.0, 86400.0, Batch(claim=1))
+        [(old, *_)] = first.claimed  # the row of the older version, due first
+        session.close()  # its owner's lock goes with the session
+        session = store.connect()
+        result = session.run("jobs", "second", 30.0, 86400.0, Batch(claim=1))
+        assert [(row[0], row[7]) for row in result.claimed] == [(old, "owner_died")]
+        counts = session.statistics("jobs")
+        assert (counts["rescued_owner_died"], counts["rescued_lease_lapsed"]) == (1, 0)
+    finally:
+        session.close()
+    assert rows(store)[old][:2] == ("running", "owner_died")
+
+
+def test_a_sqlite_file_of_version_4_is_migrated(tmp_path: Path) -> None:
+    import sqlite3
+
+    from tickler._stores import sqlite as sqlite_store
+
+    from .test_store_scheduling import _SQLITE_V2
+
+    path = tmp_path / "queue.db"
+    with sqlite3.connect(path) as connection:
+        connection.executescript(_SQLITE_V2)
+        sqlite_store._to_v3(connection)
+        sqlite_store._to_v4(connection)
+        connection.execute("UPDATE tickler_schema SET version = 4")
+        connection.execute(
+            "INSERT INTO tickler_requests (queue, state, request, run_at, enqueued_at)"
+            " VALUES ('jobs', 'queued', '\"r\"', 0, 0)"
+        )
+    connection.close()
+    check_rescues_counted(tickler.SqliteStore(path))
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (5,)
+    db.close()
+
+
+def test_a_postgres_schema_of_version_3_is_migrated(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    import psycopg
+
+    from tickler._stores import postgres as postgres_store
+
+    from .test_store_scheduling import _POSTGRES_V1
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{postgres_schema}"')
+        connection.execute(f'SET search_path TO "{postgres_schema}"')
+        older = ";".join(
+            (_POSTGRES_V1, postgres_store._MIGRATIONS[1], postgres_store._MIGRATIONS[2])
+        )
+        for statement in older.split(";"):
+            if statement.strip():
+                connection.execute(statement)
+        connection.execute("UPDATE tickler_schema SET version = 3")
+        connection.execute(
+            "INSERT INTO tickler_requests (queue, state, request, run_at, enqueued_at)"
+            " VALUES ('jobs', 'queued', '\"r\"', 0, 0)"
+        )
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    check_rescues_counted(store)
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        version = db.execute(
+            f'SELECT version FROM "{postgres_schema}".tickler_schema'  # noqa: S608
+        ).fetchone()
+    assert version == (4,)

@@ -466,11 +466,11 @@ def test_a_sqlite_file_of_version_3_is_migrated(tmp_path: Path) -> None:
     connection.close()
     check_migrated(tickler.SqliteStore(path, **FAST))
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (4,)
+        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (5,)
         names = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
     db.close()
     assert {"tickler_groups", "tickler_starts", "tickler_starts_by_group"} <= names
-    assert sqlite_store.SCHEMA_VERSION == 4
+    assert sqlite_store.SCHEMA_VERSION == 5  # v3 -> v4 (limits) -> v5 (rescues)
 
 
 def test_a_postgres_schema_of_version_2_is_migrated(
@@ -500,9 +500,9 @@ def test_a_postgres_schema_of_version_2_is_migrated(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (postgres_schema,)
             )
         }
-    assert version == (3,)
+    assert version == (4,)
     assert {"tickler_groups", "tickler_starts_by_group"} <= indexes
-    assert postgres_store.SCHEMA_VERSION == 3
+    assert postgres_store.SCHEMA_VERSION == 4  # v2 -> v3 (limits) -> v4 (rescues)
 
 
 def check_migrated(store: Any) -> None:

@@ -345,9 +345,9 @@ def run_batch(
     ``("failed", id, (finished_at, type, message, traceback, attempt))``,
     ``("cancelled", id, (finished_at, attempt))``, ``("handed_back", id, (run_at, attempt))``
     and ``("returned", id, (run_at, attempt))`` (claimed, never started); each applies only
-    while the row runs under ``owner``'s lease at that attempt (the row's attempts; None:
-    whichever), checked in the statement that writes it: a late result of an attempt
-    whose row was rescued is never recorded.
+    while the row runs under ``owner``'s lease at that attempt (the row's attempts; None,
+    or left out: whichever), checked in the statement that writes it: a late result of an
+    attempt whose row was rescued is never recorded.
 
     A batch that claims first lapses the leases of owners whose liveness lock is free, as
     many as it claims (Dialect.mark_dead), so that its claim rescues their rows at once.
@@ -378,6 +378,8 @@ def run_batch(
         now, shift = d.now()
         result.now, result.shift = now, shift
         inserts, outcomes = batch.inserts, batch.outcomes
+        if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
+            outcomes = [_with_attempt(outcome) for outcome in outcomes]
         if shift or any(len(e) < 6 for e in inserts):
             # The loop's times (an enqueue's run_at and unique_until, an
             # outcome's) are this process's time.time(): moved onto the store's
@@ -486,6 +488,27 @@ def group_of(entry: tuple[Any, ...]) -> str | None:
     """
     group = entry[6] if len(entry) > 6 else None
     return group if isinstance(group, str) else None
+
+
+# How many values each kind of outcome has before its attempt.
+OUTCOME_VALUES = {
+    "succeeded": 2,
+    "retrying": 4,
+    "failed": 4,
+    "cancelled": 1,
+    "handed_back": 1,
+    "returned": 1,
+}
+
+
+def _with_attempt(
+    outcome: tuple[str, int, tuple[Any, ...]],
+) -> tuple[str, int, tuple[Any, ...]]:
+    """An outcome given without its attempt, with None: written at whichever attempt."""
+    kind, request_id, values = outcome
+    if len(values) == OUTCOME_VALUES[kind]:
+        return kind, request_id, (*values, None)
+    return outcome
 
 
 def _shifted(
