@@ -707,6 +707,7 @@ class SqliteSession:
         lost = self.liveness.hold(owner, batch.renew)
         if lost:
             batch = attrs.evolve(batch, claim=0, renew=False)
+        self._look = batch.renew
         result = run_batch(self, queue, owner, lease, retention, batch)
         result.lost = lost
         return result
@@ -852,9 +853,16 @@ class SqliteSession:
     def after_error_in_transaction(self) -> None:
         """Nothing to do: SQLite takes the next statement after one failed."""
 
+    # Whether the batch under way is a look (Batch.renew).
+    _look = False
+
     def mark_dead(self, queue: str, owner: str, now: float, limit: int) -> None:
         """The owners whose byte of the lock file is free: the leases of up to ``limit`` of
-        their rows lapse now."""
+        their rows lapse now. Only in a look's claim (every poll_interval, or lease / 3):
+        finding the owners reads every running row of the queue, which a claim between
+        two looks (a busy process's many small ones) does not pay for."""
+        if not self._look:
+            return
         x = self.db.execute
         owners = [row[0] for row in x(_RUNNING_OWNERS, (queue, owner))]
         for dead in self.liveness.dead(owners):
