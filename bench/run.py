@@ -1060,11 +1060,21 @@ def main(argv: list[str] | None = None) -> None:
         help="only the admin API's rows on a PostgreSQL queue of 1,000,000 (bench/admin.py)",
     )
     parser.add_argument(
+        "--rescue-only",
+        action="store_true",
+        help="only the rescue rows (bench/rescue.py): from SIGKILL to the rescued start",
+    )
+    parser.add_argument(
         "--no-gc",
         action="store_true",
         help="disable the garbage collector for the whole run, to see what it costs",
     )
     args = parser.parse_args(argv)
+    if args.rescue_only:
+        from . import rescue
+
+        rescue.main(["--rounds", str(args.rounds or 5)])
+        return
     if args.no_gc:
         gc.disable()
     config = QUICK if args.quick else Config()

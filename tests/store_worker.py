@@ -2,6 +2,7 @@
 
     python -m tests.store_worker DB LOG [--capacity N] [--sleep S] [--lease L]
         [--poll-interval P] [--keys K] [--keys-due T] [--cancel-blocker] [--schema S]
+        [--result-attempt]
 
 DB is a SQLite file, or a postgresql:// DSN (then --schema names the schema).
 
@@ -10,7 +11,9 @@ which every worker shares. Each line is ``PID KIND ...`` and reaches the
 file with one write before the worker goes on, so a SIGKILL loses none:
 
 - ``owner OWNER``: the store's name for this worker's leases, once it runs;
-- ``start ID REQUEST ATTEMPT`` and ``end ID REQUEST``: an attempt;
+- ``reowner OWNER``: the new name it took after it lost its liveness lock;
+- ``start ID REQUEST ATTEMPT TIME`` and ``end ID REQUEST``: an attempt (TIME: when it
+  started, time.time()); with --result-attempt each returns "REQUEST@ATTEMPT";
 - ``keyed ID REQUEST``: with --keys, it first enqueues requests
   "key-0".."key-{K-1}", each keyed by itself and delayed 1 s (or until the
   epoch time --keys-due), and logs the id each got once committed;
@@ -46,7 +49,13 @@ class Log:
 
 async def report_store_errors(service: tickler.Service[Any, Any], log: Log) -> None:
     reported = 0
+    stored = service._store_run
+    assert isinstance(stored, StoreSync)
+    owner = stored.owner
     while True:
+        if stored.owner != owner:
+            owner = stored.owner
+            log("reowner", owner)
         errors = service.statistics().store_errors
         if errors > reported:
             log("store_errors", errors)
@@ -61,7 +70,7 @@ async def main(args: argparse.Namespace) -> None:
     async def handler(request: str) -> str:
         nonlocal running_blocker
         ticket = tickler.current_ticket()
-        log("start", ticket.id, request, ticket.attempts)
+        log("start", ticket.id, request, ticket.attempts, repr(time.time()))
         if request == "blocker":
             running_blocker = True
             try:
@@ -71,6 +80,8 @@ async def main(args: argparse.Namespace) -> None:
                 raise
         await trio.sleep(args.sleep)
         log("end", ticket.id, request)
+        if args.result_attempt:
+            return f"{request}@{ticket.attempts}"
         return request
 
     store: tickler.SqliteStore | tickler.PostgresStore
@@ -132,4 +143,5 @@ if __name__ == "__main__":
     parser.add_argument("--keys-due", type=float, default=None, help="epoch time")
     parser.add_argument("--cancel-blocker", action="store_true")
     parser.add_argument("--schema", default="tickler", help="with a postgresql:// DB")
+    parser.add_argument("--result-attempt", action="store_true")
     trio.run(main, parser.parse_args())

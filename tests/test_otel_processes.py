@@ -295,7 +295,7 @@ def test_a_sqlite_file_of_the_version_before_gets_the_trace_context(tmp_path: Pa
     with sqlite3.connect(path) as db:
         db.execute("ALTER TABLE tickler_requests DROP COLUMN traceparent")
         db.execute("ALTER TABLE tickler_requests DROP COLUMN tracestate")
-        db.execute("UPDATE tickler_schema SET version = ?", (SCHEMA_VERSION - 1,))
+        db.execute("UPDATE tickler_schema SET version = 5")  # the version before the step
     db.close()
     store = tickler.SqliteStore(path)
     store.create_schema()
@@ -317,7 +317,7 @@ def test_a_postgres_schema_of_the_version_before_gets_the_trace_context(
         db.execute(f'SET search_path TO "{postgres_schema}"')
         db.execute("ALTER TABLE tickler_requests DROP COLUMN traceparent")
         db.execute("ALTER TABLE tickler_requests DROP COLUMN tracestate")
-        db.execute("UPDATE tickler_schema SET version = %s", (SCHEMA_VERSION - 1,))
+        db.execute("UPDATE tickler_schema SET version = 4")  # the version before the step
     store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
     store.create_schema()
     with psycopg.connect(postgres_dsn, autocommit=True) as db:

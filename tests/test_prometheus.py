@@ -89,6 +89,9 @@ def expected(
         samples[key(name, service=service)] = getattr(statistics, field)
     if has_store:
         samples[key("tickler_store_errors_total", service=service)] = statistics.store_errors
+        for reason in ("owner_died", "lease_lapsed"):
+            count = getattr(statistics, f"rescued_{reason}")
+            samples[key("tickler_rescues_total", service=service, reason=reason)] = count
     if statistics.max_queue_length is not None:
         samples[key("tickler_max_queue_length", service=service)] = statistics.max_queue_length
     for name, field in HISTOGRAMS.items():
@@ -101,7 +104,10 @@ def expected(
         samples[key(f"{name}_count", service=service)] = histogram.count
         samples[key(f"{name}_sum", service=service)] = histogram.sum
     for status, count in (store or {}).items():
-        if status not in ("paused", "limited"):  # tickler_paused, tickler_requests_limited
+        if status.startswith("rescued_"):
+            reason = status.removeprefix("rescued_")
+            samples[key("tickler_store_rescues_total", service=service, reason=reason)] = count
+        elif status not in ("paused", "limited"):  # tickler_paused, tickler_requests_limited
             samples[key("tickler_store_requests", service=service, status=status)] = count
     if store_up is not None:
         samples[key("tickler_store_up", service=service)] = 1 if store_up else 0
@@ -281,6 +287,8 @@ async def settled_store_service(tmp_path: Path) -> AsyncIterator[tickler.Service
             "cancelled": 1,
             "paused": 0,  # a flag beside the counts: 1 while the queue is paused
             "limited": 0,  # ready rows held back by a group's limit
+            "rescued_owner_died": 0,  # rescues over every process, by reason
+            "rescued_lease_lapsed": 0,
         }
         with trio.fail_after(10):
             while await service.store_statistics() != settled:
@@ -414,10 +422,12 @@ def test_describe_names_every_family_without_samples() -> None:
     assert {family.name for family in families} == {
         *(name.removesuffix("_total") for name in COUNTERS),
         "tickler_store_errors",
+        "tickler_rescues",
         *GAUGES,
         "tickler_max_queue_length",
         *HISTOGRAMS,
         "tickler_store_requests",
+        "tickler_store_rescues",
         "tickler_store_up",
     }
 

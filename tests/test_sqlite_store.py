@@ -15,6 +15,7 @@ import pytest
 import trio
 
 import tickler
+from tickler._stores._sqlite_live import Liveness
 
 from .store_runs import driver_of, sync_of
 
@@ -302,7 +303,10 @@ async def test_a_renewal_that_finds_the_lease_gone_cancels_the_attempt(tmp_path:
         with trio.fail_after(5):
             while service.statistics().in_flight < 1:
                 await trio.sleep(0.01)
-        # Another owner holds the lease now, and will finish the request.
+        # Another owner holds the lease now (and its liveness lock: it lives), and will
+        # finish the request.
+        elsewhere = Liveness(store.path)
+        assert not elsewhere.hold("elsewhere", check=False)
         connection = sqlite3.connect(store.path)
         with connection:
             connection.execute("UPDATE tickler_requests SET owner = 'elsewhere' WHERE id = 1")
@@ -316,6 +320,7 @@ async def test_a_renewal_that_finds_the_lease_gone_cancels_the_attempt(tmp_path:
                 (b"7", time.time()),
             )
         connection.close()
+        elsewhere.release()
         with trio.fail_after(5):
             assert await ticket.wait() == 7
         stored = sync_of(service)

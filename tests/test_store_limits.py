@@ -612,7 +612,7 @@ def test_a_sqlite_file_of_version_3_is_migrated(tmp_path: Path) -> None:
     connection.close()
     check_migrated(tickler.SqliteStore(path, **FAST))
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (6,)
+        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (7,)
         names = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
     db.close()
     assert {
@@ -621,7 +621,7 @@ def test_a_sqlite_file_of_version_3_is_migrated(tmp_path: Path) -> None:
         "tickler_starts_by_group",
         "tickler_by_state",
     } <= names
-    assert sqlite_store.SCHEMA_VERSION == 6  # v4 -> v5 (admin indexes) -> v6 (trace context)
+    assert sqlite_store.SCHEMA_VERSION == 7  # v4 -> v5 (admin), v6 (traces), v7 (rescues)
 
 
 def test_a_postgres_schema_of_version_2_is_migrated(
@@ -651,9 +651,9 @@ def test_a_postgres_schema_of_version_2_is_migrated(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (postgres_schema,)
             )
         }
-    assert version == (5,)
+    assert version == (6,)
     assert {"tickler_groups", "tickler_starts_by_group", "tickler_by_state"} <= indexes
-    assert postgres_store.SCHEMA_VERSION == 5  # v3 -> v4 (admin indexes) -> v5 (trace context)
+    assert postgres_store.SCHEMA_VERSION == 6  # v3 -> v4 (admin), v5 (traces), v6 (rescues)
 
 
 def check_migrated(store: Any) -> None:

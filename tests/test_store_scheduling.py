@@ -651,7 +651,7 @@ def test_a_sqlite_file_of_version_2_is_migrated(tmp_path: Path) -> None:
         return int(found)
 
     check_migrated(tickler.SqliteStore(path, **FAST), version, SCHEMA_VERSION)
-    assert SCHEMA_VERSION == 6  # v2 -> v3 (scheduling), v4 (limits), v5 (admin), v6 (traces)
+    assert SCHEMA_VERSION == 7  # v3 scheduling, v4 limits, v5 admin, v6 traces, v7 rescues
 
 
 def test_a_postgres_schema_of_version_1_is_migrated(
@@ -683,4 +683,4 @@ def test_a_postgres_schema_of_version_1_is_migrated(
 
     store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema, **FAST)
     check_migrated(store, version, SCHEMA_VERSION)
-    assert SCHEMA_VERSION == 5  # v1 -> v2 (scheduling), v3 (limits), v4 (admin), v5 (traces)
+    assert SCHEMA_VERSION == 6  # v2 scheduling, v3 limits, v4 admin, v5 traces, v6 rescues

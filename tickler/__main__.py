@@ -67,6 +67,9 @@ def _report(queues: dict[str, QueueReport]) -> str:
                 f"{group!r} {_limit(limit)}" for group, limit in sorted(found.limits.items())
             )
             lines.append(f"  limits by group: {limits}")
+        if any(found.rescues.values()):
+            rescued = ", ".join(f"{n} {reason}" for reason, n in found.rescues.items())
+            lines.append(f"  rescued: {rescued}")
         for group, running, ready in found.groups:
             lines.append(f"  group {group!r}: {running} running, {ready} ready")
         for request_id, attempts, error_type, message in found.failures:

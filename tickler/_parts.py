@@ -195,6 +195,7 @@ class StorePart(Protocol):
     pending: list[Any]
     committed: trio.Event
     errors: int
+    rescued: dict[str, int]
     pause_wanted: bool | None
     limited: int
     ticks: list[tuple[str, float, bool, bytes, int]]

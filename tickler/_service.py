@@ -288,6 +288,12 @@ class Service(_Engine[RequestT, ResultT]):
                 rejected=self._intake.rejected,
                 deduplicated=self._intake.deduplicated,
                 store_errors=self._store_run.errors if self._store_run is not None else 0,
+                rescued_owner_died=self._store_run.rescued.get("owner_died", 0)
+                if self._store_run is not None
+                else 0,
+                rescued_lease_lapsed=self._store_run.rescued.get("lease_lapsed", 0)
+                if self._store_run is not None
+                else 0,
                 paused=self._paused,
                 limited=self._limited(),
                 wakeups=self._supervisor.wakeups,

@@ -91,11 +91,17 @@ class ServiceStatistics:
     peak_queued: int
     """The largest number of requests ever queued at once."""
     store_errors: int = 0
+    """With a store: batches that failed and were retried (a full disk, a lost connection)."""
+    rescued_owner_died: int = 0
+    """With a store: running requests of another process that this process's claims
+    rescued because that process's liveness lock was free (it died, or lost its lock)."""
+    rescued_lease_lapsed: int = 0
+    """With a store: running requests of another process that this process's claims
+    rescued because their lease ran out (a process alive but stuck, or cut off)."""
     limited: int = 0
     """Requests waiting only because their group is at its limit (``limits=``)."""
     paused: bool = False
     """Whether starts are paused (``Service.pause``; with a store, by any process or the CLI)."""
-    """With a store: batches that failed and were retried (a full disk, a lost connection)."""
     wait_time: Histogram | None = None
     """How long requests waited from their enqueue to their first start: one duration
     per request that started (a delayed request's includes its delay). ``None`` if the

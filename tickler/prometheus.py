@@ -73,6 +73,19 @@ _STORE_ERRORS = (
     "tickler_store_errors",
     "Batches of the store that failed and were retried (services with a store only).",
 )
+_RESCUES = (
+    "tickler_rescues",
+    "Running requests of another process that this process's claims rescued, by reason:"
+    " owner_died (that process's liveness lock was free) or lease_lapsed (its lease ran"
+    " out). Services with a store only.",
+)
+_STORE_RESCUES = (
+    "tickler_store_rescues",
+    "Rescues of the service's queue in its store, by reason, over every process"
+    " (running services with a store only).",
+)
+# The reasons of a rescue, as ServiceStatistics and store_statistics() name their counts.
+_REASONS = ("owner_died", "lease_lapsed")
 _GAUGES = (
     ("tickler_requests_queued", "queued", "Requests waiting in the queue for a free slot."),
     (
@@ -289,6 +302,13 @@ class Collector:
             if reading.has_store:
                 store_errors.add_metric([reading.name], reading.statistics.store_errors)
         yield store_errors
+        rescues = CounterMetricFamily(*_RESCUES, labels=["service", "reason"])
+        for reading in readings:
+            if reading.has_store:
+                for reason in _REASONS:
+                    count = getattr(reading.statistics, f"rescued_{reason}")
+                    rescues.add_metric([reading.name, reason], count)
+        yield rescues
         for name, field, documentation in _GAUGES:
             gauge = GaugeMetricFamily(name, documentation, labels=["service"])
             for reading in readings:
@@ -313,13 +333,17 @@ class Collector:
                     histogram.add_metric([reading.name], buckets, durations.sum)
             yield histogram
         store = GaugeMetricFamily(*_STORE_REQUESTS, labels=["service", "status"])
+        store_rescues = CounterMetricFamily(*_STORE_RESCUES, labels=["service", "reason"])
         up = GaugeMetricFamily(*_STORE_UP, labels=["service"])
         for reading in readings:
             if reading.store is not None:
                 for status, count in reading.store.items():
-                    if status not in ("paused", "limited"):  # tickler_paused, _requests_limited
+                    if status.startswith("rescued_"):
+                        store_rescues.add_metric([reading.name, status[len("rescued_") :]], count)
+                    elif status not in ("paused", "limited"):  # tickler_paused, _requests_limited
                         store.add_metric([reading.name, status], count)
             if reading.store_up is not None:
                 up.add_metric([reading.name], 1 if reading.store_up else 0)
         yield store
+        yield store_rescues
         yield up

@@ -38,7 +38,8 @@ class Row:
 
 # A row a batch claimed, as its claim returns it: (id, request, attempts,
 # key, enqueued_at, run_at, ...), run_at being the order in which claims start;
-# a store may add columns after these.
+# a store may add columns after these. The SQL stores add the priority and the
+# reason the claim rescued the row ("owner_died", "lease_lapsed"), or None.
 Claimed = tuple[int, bytes, int, str | None, float, float, *tuple[Any, ...]]
 
 
@@ -50,7 +51,8 @@ class Batch:
     """For each request enqueued since the last batch: (key, state, request, run_at,
 priority, unique_until, group, ...); what follows is the engine's own and not written."""
     outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
-    """(kind, id, values) for each attempt that ended: see _sql.run_batch."""
+    """(kind, id, values) for each attempt that ended, the values ending with the
+    attempt's number (or None): see _sql.run_batch."""
     claim: int = 0
     """How many ready rows to claim."""
     renew: bool = False
@@ -127,6 +129,11 @@ class BatchResult:
     """With Batch.limits and a claim: how many of the queue's ready rows (queued, or
     scheduled or retrying and due) wait only because their group is at its limit, after
     the claim; else 0."""
+    lost: bool = False
+    """The owner's liveness lock was found lost while this process lives (its session
+    was ended, its lock file replaced): the batch renewed and claimed nothing, and the
+    owner's rows are others' to rescue. The caller withdraws its attempts as for a lost
+    lease, and runs the next batch under a new owner id, which takes a new lock."""
 
 
 class Session(Protocol):
@@ -138,7 +145,8 @@ class Session(Protocol):
     def run(
         self, queue: str, owner: str, lease: float, retention: float, batch: Batch
     ) -> BatchResult:
-        """Write and ask everything in ``batch`` in one transaction, as ``owner``."""
+        """Write and ask everything in ``batch`` in one transaction, as ``owner``, holding
+        ``owner``'s liveness lock while the session lives (taken by its first batch)."""
         ...
 
     def lookup(self, queue: str, id_or_key: object) -> Row | None:

@@ -97,6 +97,29 @@ def _claim_order(row: Claimed) -> tuple[int, float, int]:
     return -row[6], row[5], row[0]
 
 
+# Why a running row was claimed again (its column ``rescued``, and the counts of
+# tickler_rescues): its owner's liveness lock was free (the process died, or lost the
+# lock), or its lease ran out (the process is alive but stuck, partitioned from the
+# store, or its lock was never known).
+OWNER_DIED = "owner_died"
+LEASE_LAPSED = "lease_lapsed"
+RESCUE_REASONS = (OWNER_DIED, LEASE_LAPSED)
+# A running row whose owner's lock was found free gets as lease_until the time that was
+# found, negated: lapsed at once, and told apart from a lease that ran out (the leases
+# are epoch times, > 0).
+# What a claim sets besides its own columns, in both dialects: a running row claimed
+# again is a rescue, and records its reason and time ({now}: the claim's time). SET
+# reads the row's old values.
+RESCUE_SETS = (
+    "rescued = CASE WHEN state = 'running' THEN"
+    " CASE WHEN lease_until < 0 THEN 'owner_died' ELSE 'lease_lapsed' END ELSE rescued END,"
+    " rescued_at = CASE WHEN state = 'running' THEN {now} ELSE rescued_at END"
+)
+# What a claim returns after the priority: the reason if this claim rescued the row,
+# else NULL ({now}: the claim's time, as in RESCUE_SETS). RETURNING reads the new values.
+RESCUE_RETURNED = "CASE WHEN rescued_at = {now} THEN rescued END"
+
+
 # What PostgreSQL's integer column holds: a priority must fit it.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
@@ -116,9 +139,12 @@ class Statements:
     """(queue, key, now): the id of the row that holds the key: its live row, else the
     latest whose unique_until is after now."""
     renew: str
-    """(lease_until, queue, owner): every running lease of owner's."""
+    """(lease_until, queue, owner): every running lease of owner's, but those a look found
+    the owner's lock free for (lease_until < 0: they are another's to rescue)."""
     mine: str
-    """(queue, owner): (id, cancel_requested) of owner's running rows."""
+    """(queue, owner): (id, cancel_requested) of owner's running rows, as renew has them."""
+    count_rescues: str
+    """(queue, reason, count): add count to the queue's rescues for that reason."""
     end_cancelled_orphans: str
     """(now, queue, now, owner): rows whose cancel was asked for and whose other owner's
     lease lapsed end CANCELLED; nobody claims them again. The owner's own are left to
@@ -149,8 +175,9 @@ class Statements:
     cancel_now: str
     """(finished_at, id): a row that does not run ends CANCELLED."""
     counts: str
-    """(queue, queue): (state as COUNTED_STATE, count) for each state the queue has, and
-    ("paused", 1 or 0) if the queue has a row in tickler_queues."""
+    """(queue, queue, queue): (state as COUNTED_STATE, count) for each state the queue has,
+    ("paused", 1 or 0) if the queue has a row in tickler_queues, and ("rescued_<reason>",
+    count) for each reason of the queue's rescues."""
     set_paused: str
     """(queue, paused): set the queue's flag in tickler_queues, inserting its row."""
     tick_insert: str
@@ -234,8 +261,16 @@ class Dialect(Protocol):
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
     ) -> list[str | None]:
-        """Each outcome (see run_batch) only while owner holds its lease: the state it
-        wrote, or None where the lease was gone."""
+        """Each outcome (see run_batch) only while the row is running under owner's lease and
+        at the outcome's attempt (its last value; None: any), checked in the statement that
+        writes it: the state it wrote, or None where the row was no longer so."""
+        ...
+
+    def mark_dead(self, queue: str, owner: str, now: float, limit: int) -> None:
+        """Lapse at once (lease_until -now) the leases of up to ``limit`` of the queue's
+        running rows whose owner's liveness lock is free, but owner's own: the claim that
+        follows rescues them. (Only as many as a claim takes: the others keep their lease
+        until a claim has room for them.)"""
         ...
 
     def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
@@ -248,7 +283,10 @@ class Dialect(Protocol):
         """Claim up to ``limit`` ready rows and rows whose lease expired (not owner's own,
         not asked to cancel), the higher priority first, then in the order they fell due,
         then by id; none while the queue is paused. Each claimed row ends with its
-        priority (the 7th column). The answer is read by calling."""
+        priority (the 7th column) and the reason it was rescued, or None if it was ready
+        (the 8th); each rescue is recorded in the row (RESCUE_SETS) and counted
+        (Statements.count_rescues) by the claim's transaction. The answer is read by
+        calling."""
         ...
 
     def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int, bool]]:
@@ -321,12 +359,17 @@ def run_batch(
 ) -> BatchResult:
     """Write and ask everything in ``batch`` in one transaction.
 
-    Outcomes are ``("succeeded", id, (result, finished_at))``,
-    ``("retrying", id, (run_at, type, message, traceback))``,
-    ``("failed", id, (finished_at, type, message, traceback))``,
-    ``("cancelled", id, (finished_at,))``, ``("handed_back", id, (run_at,))`` and
-    ``("returned", id, (run_at,))`` (claimed, never started);
-    each applies only while ``owner`` still holds the request's lease.
+    Outcomes are ``("succeeded", id, (result, finished_at, attempt))``,
+    ``("retrying", id, (run_at, type, message, traceback, attempt))``,
+    ``("failed", id, (finished_at, type, message, traceback, attempt))``,
+    ``("cancelled", id, (finished_at, attempt))``, ``("handed_back", id, (run_at, attempt))``
+    and ``("returned", id, (run_at, attempt))`` (claimed, never started); each applies only
+    while the row runs under ``owner``'s lease at that attempt (the row's attempts; None,
+    or left out: whichever), checked in the statement that writes it: a late result of an
+    attempt whose row was rescued is never recorded.
+
+    A batch that claims first lapses the leases of owners whose liveness lock is free, as
+    many as it claims (Dialect.mark_dead), so that its claim rescues their rows at once.
 
     With ``batch.isolate``, each insert runs in a savepoint of its own: a
     row whose insert raises is rolled back alone, reported in
@@ -354,6 +397,8 @@ def run_batch(
         now, shift = d.now()
         result.now, result.shift = now, shift
         inserts, outcomes = batch.inserts, batch.outcomes
+        if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
+            outcomes = [_with_attempt(outcome) for outcome in outcomes]
         if shift or any(len(e) < 6 for e in inserts):
             # The loop's times (an enqueue's run_at and unique_until, an
             # outcome's) are this process's time.time(): moved onto the store's
@@ -371,11 +416,11 @@ def run_batch(
         if batch.started:
             d.mark_started(owner, batch.started, now)
         result.applied = d.write_outcomes(owner, outcomes, now)
+        if batch.claim or batch.renew:
+            x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.renew:
             x(sql.renew, (now + lease, queue, owner))
             result.mine = {row[0]: bool(row[1]) for row in x(sql.mine, (queue, owner))}
-        if batch.claim or batch.renew:
-            x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.pause is not None:
             x(sql.set_paused, (queue, batch.pause))
         claimed = _claim(d, queue, owner, lease, now, batch, result)
@@ -422,8 +467,11 @@ def _claim(
     """The batch's claim, to read once the batch is sent: plain, or under the limits.
 
     With limits, they are also recorded for the queue, and ``result.limited``
-    counts the ready rows they hold back.
+    counts the ready rows they hold back. The leases of as many rows of owners whose
+    liveness lock is free lapse first: the claim rescues them at once.
     """
+    if batch.claim:
+        d.mark_dead(queue, owner, now, batch.claim)
     if batch.limits is None:
         return d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
     limits = normal_limits(batch.limits)
@@ -482,6 +530,27 @@ def group_of(entry: tuple[Any, ...]) -> str | None:
     """
     group = entry[6] if len(entry) > 6 else None
     return group if isinstance(group, str) else None
+
+
+# How many values each kind of outcome has before its attempt.
+OUTCOME_VALUES = {
+    "succeeded": 2,
+    "retrying": 4,
+    "failed": 4,
+    "cancelled": 1,
+    "handed_back": 1,
+    "returned": 1,
+}
+
+
+def _with_attempt(
+    outcome: tuple[str, int, tuple[Any, ...]],
+) -> tuple[str, int, tuple[Any, ...]]:
+    """An outcome given without its attempt, with None: written at whichever attempt."""
+    kind, request_id, values = outcome
+    if len(values) == OUTCOME_VALUES[kind]:
+        return kind, request_id, (*values, None)
+    return outcome
 
 
 def _shifted(
@@ -853,14 +922,20 @@ def cancel(d: Dialect, queue: str, id_or_key: object) -> tuple[bool, int | None]
 
 def counts(d: Dialect, queue: str) -> dict[str, int]:
     """The queue's rows by state; "claimed" are running rows whose attempt has not started;
-    "paused": 1 if the queue is paused, else 0; and "limited": the ready rows due that wait
+    "paused": 1 if the queue is paused, else 0; "limited": the ready rows due that wait
     only for their group's limit, under the limits the queue's last batch stored (see
-    BatchResult.limited; 0 without limits)."""
+    BatchResult.limited; 0 without limits); and "rescued_owner_died",
+    "rescued_lease_lapsed": the queue's rescues so far, by reason."""
     found = dict.fromkeys(COUNTED, 0)
     found["paused"] = 0
-    for state, count in d.execute(d.statements.counts, (queue, queue)):
-        found[state] = int(count)
+    rescued = {f"rescued_{reason}": 0 for reason in RESCUE_REASONS}
+    for state, count in d.execute(d.statements.counts, (queue, queue, queue)):
+        if state.startswith("rescued_"):
+            rescued[state] = int(count)
+        else:
+            found[state] = int(count)
     found["limited"] = limited_now(d, queue)
+    found.update(rescued)
     return found
 
 
@@ -878,12 +953,17 @@ class QueueReport:
     """The limits the queue's last batch stored, if any."""
     groups: list[tuple[str, int, int]] = attrs.Factory(list)
     """The busiest groups: (group, running, ready), the most running first, then ready."""
+    rescues: dict[str, int] = attrs.Factory(dict)
+    """The queue's rescues so far by reason (RESCUE_REASONS), each reason given; empty for
+    a schema that does not count them."""
 
 
 # Every queue's paused flag, for report().
 PAUSED_QUEUES = "SELECT queue, paused FROM tickler_queues"
 # Every queue's limits, for report().
 QUEUE_LIMITS = "SELECT queue, limits FROM tickler_queues WHERE limits IS NOT NULL"
+# Every queue's rescues, for report().
+QUEUE_RESCUES = "SELECT queue, reason, count FROM tickler_rescues"
 # How many groups report() shows.
 BUSIEST_GROUPS = 5
 
@@ -895,6 +975,7 @@ def report(
     *,
     paused: bool = True,
     groups: str | None = None,
+    rescues: bool = False,
 ) -> dict[str, QueueReport]:
     """Every queue's counts and latest failures, by queue name, and whether it is paused
     (a paused queue without rows too), its limits and its busiest groups.
@@ -923,6 +1004,12 @@ def report(
             if parsed:
                 limits[queue] = parsed
                 by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))
+    rescued: dict[str, dict[str, int]] = {}
+    if rescues:
+        for queue, reason, count in execute(QUEUE_RESCUES, ()):
+            by_reason = rescued.setdefault(queue, dict.fromkeys(RESCUE_REASONS, 0))
+            by_reason[str(reason)] = int(count)
+            by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))
     return {
         queue: QueueReport(
             found,
@@ -935,6 +1022,7 @@ def report(
                 (str(g), int(running), int(ready))
                 for g, running, ready in execute(groups, (queue, BUSIEST_GROUPS))
             ],
+            rescued.get(queue, dict.fromkeys(RESCUE_REASONS, 0)) if rescues else {},
         )
         for queue, found in sorted(by_queue.items())
     }

@@ -129,6 +129,8 @@ class StoreSync:
     rated: bool = False  # some group has a rate limit
     # Periodic ticks for the next batch: see Batch.ticks.
     ticks: list[tuple[str, float, bool, bytes, int]] = attrs.Factory(list)
+    # Rows this process's claims rescued, by reason ("owner_died", "lease_lapsed").
+    rescued: dict[str, int] = attrs.Factory(dict)
 
     def return_claimed(self) -> None:
         """The queue is paused: what this process claimed ahead and has not started goes back.
@@ -201,7 +203,10 @@ class StoreSync:
             pause=self.pause_wanted,
             ticks=ticks,
             limits=self.limits,
-            outcomes=[(kind, ticket.id, values) for kind, ticket, values, _ in outcomes],
+            outcomes=[
+                (kind, ticket.id, (*values, _attempt(kind, ticket)))
+                for kind, ticket, values, _ in outcomes
+            ],
             claim=claim,
             started=started,
             renew=check,
@@ -337,6 +342,8 @@ class StoreSync:
             await trio.sleep_until(min(now + delay, engine._stopping.stop_deadline))
             return None
         self.marked.update(batch.started)
+        if result.lost:
+            self.lost_lock()
         if batch.pause is not None and self.pause_wanted is batch.pause:
             self.pause_wanted = None
         if self.pause_wanted is None and result.paused != engine._paused:
@@ -354,6 +361,20 @@ class StoreSync:
         if batch.claim:
             self.limited = result.limited  # as of this claim (0 unless limits hold some back)
         return looked
+
+    def lost_lock(self) -> None:
+        """The owner's liveness lock was lost while this process lives: its rows are others'
+        to rescue. Every attempt is withdrawn as for a lost lease (each ticket follows its
+        row to the outcome of whoever runs it), and a new owner id, whose lock the next
+        batch takes, claims from now on."""
+        logger.warning(
+            "service %r: the store's liveness lock of this process was lost; its running"
+            " requests are withdrawn, and it goes on under a new owner id",
+            self.engine.name,
+        )
+        self._check_leases({})
+        self.owner = uuid.uuid4().hex
+        self.next_check = -math.inf
 
     def next_look(self) -> float:
         """When, on Trio's clock, the store needs the loop next: a look, or a row falling due."""
@@ -483,7 +504,9 @@ class StoreSync:
         engine = self.engine
         to_trio = now - wall_clock()
         taken: list[Ticket[Any, Any]] = []
-        for request_id, data, attempts, _, enqueued, *_ in result.claimed:
+        for request_id, data, attempts, _, enqueued, *more in result.claimed:
+            if len(more) > 2 and more[2]:
+                self.rescued[more[2]] = self.rescued.get(more[2], 0) + 1
             self.local.add(request_id)
             known = self.tickets.get(request_id)
             if known is None:
@@ -601,7 +624,8 @@ class StoreSync:
         # claimed them: a claim committed whose reply was lost with the
         # connection. Renewals would keep them for ever: give them back.
         for request_id in mine.keys() - self.local:
-            orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, 0, None, None, _EMPTY)
+            # (Its attempt unknown, -1: the hand-back fences on the owner alone.)
+            orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, -1, None, None, _EMPTY)
             self.outcomes.append(("returned", orphan, (wall_clock(),), None))
 
     def _drop_claimed(self, ticket: Ticket[Any, Any]) -> None:
@@ -1006,6 +1030,15 @@ def _bounded(text: str, limit: int) -> str:
     note = "\n[... {} characters cut ...]\n"
     tail = limit - head - len(note.format(len(text)))
     return text[:head] + note.format(len(text) - head - tail) + text[-tail:]
+
+
+def _attempt(kind: str, ticket: Ticket[Any, Any]) -> int | None:
+    """The row's attempt an outcome is written for (the store writes it only at that one):
+    a claimed request handed back before it started counts the claim's attempt, which its
+    ticket does not yet; None if unknown."""
+    if ticket.attempts < 0:
+        return None
+    return ticket.attempts + 1 if kind == "returned" else ticket.attempts
 
 
 def _storable(text: str) -> str:

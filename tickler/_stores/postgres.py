@@ -16,14 +16,19 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
+
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
 from ._admin import Admin
 from ._pg_listen import Listener
+from ._pg_live import LOCK_KEY, Liveness
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
     INSERT_COLUMNS,
+    RESCUE_RETURNED,
+    RESCUE_SETS,
     ROW_COLUMNS,
     SETS,
     Enqueue,
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _T = TypeVar("_T")
 
@@ -95,7 +100,8 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 {_V2};
 {_V3};
 {_V4};
-{_TRACE_CONTEXT}
+{_TRACE_CONTEXT};
+{_RESCUES}
 """
 
 # Version 2, from version 1: each row's priority and the time until which it holds its
@@ -236,10 +242,32 @@ ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS traceparent TEXT;
 ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS tracestate TEXT
 """
 
-_SCHEMA = _SCHEMA.format(_V2=_V2, _V3=_V3, _V4=_V4, _TRACE_CONTEXT=_TRACE_CONTEXT)
+
+# Version 6, from version 5: why and when each row was last rescued (claimed again while
+# running: its owner's liveness lock was free, or its lease lapsed); each queue's rescues
+# by reason; and the owners that took their liveness lock, with the time they took it
+# (see _pg_live). Each step is skipped where the schema already has it.
+_RESCUES = """
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS rescued TEXT;
+ALTER TABLE tickler_requests ADD COLUMN IF NOT EXISTS rescued_at DOUBLE PRECISION;
+CREATE TABLE IF NOT EXISTS tickler_rescues (
+    queue TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    count BIGINT NOT NULL,
+    PRIMARY KEY (queue, reason)
+);
+CREATE TABLE IF NOT EXISTS tickler_owners (
+    owner TEXT PRIMARY KEY,
+    locked_at DOUBLE PRECISION NOT NULL
+)
+"""
+
+_SCHEMA = _SCHEMA.format(
+    _V2=_V2, _V3=_V3, _V4=_V4, _TRACE_CONTEXT=_TRACE_CONTEXT, _RESCUES=_RESCUES
+)
 
 # From each older version, the statements that bring a schema to the next one.
-_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3, 3: _V4, 4: _TRACE_CONTEXT}
+_MIGRATIONS = {1: _TO_V2 + _V2, 2: _V3, 3: _V4, 4: _TRACE_CONTEXT, 5: _RESCUES}
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
@@ -258,6 +286,7 @@ _SET_PAUSED = (
     " ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused"
 )
 
+
 _STATEMENTS = Statements(
     # A keyed row, unless its key is held by a row whose unique_until has not come, or
     # live (the conflict with tickler_live_keys).
@@ -270,9 +299,11 @@ _STATEMENTS = Statements(
     f" WHERE queue = %s AND key = %s AND key IS NOT NULL AND ({_LIVE_STATE} OR unique_until > %s)"
     f" ORDER BY {_LIVE_STATE} DESC, id DESC LIMIT 1",
     renew="UPDATE tickler_requests SET lease_until = %s"
-    " WHERE queue = %s AND state = 'running' AND owner = %s",
+    " WHERE queue = %s AND state = 'running' AND owner = %s AND lease_until > 0",
     mine="SELECT id, cancel_requested FROM tickler_requests"
-    " WHERE queue = %s AND state = 'running' AND owner = %s",
+    " WHERE queue = %s AND state = 'running' AND owner = %s AND lease_until > 0",
+    count_rescues="INSERT INTO tickler_rescues (queue, reason, count) VALUES (%s, %s, %s)"
+    " ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count",
     end_cancelled_orphans="UPDATE tickler_requests"
     " SET state = 'cancelled', finished_at = %s, owner = NULL, lease_until = NULL"
     " WHERE queue = %s AND state = 'running' AND lease_until < %s AND owner <> %s"
@@ -296,7 +327,8 @@ _STATEMENTS = Statements(
     counts=f"SELECT {COUNTED_STATE} AS s, count(*) FROM tickler_requests"  # noqa: S608 (constants only)
     " WHERE queue = %s GROUP BY s"
     " UNION ALL SELECT 'paused', CASE WHEN paused THEN 1 ELSE 0 END FROM tickler_queues"
-    " WHERE queue = %s",
+    " WHERE queue = %s"
+    " UNION ALL SELECT 'rescued_' || reason, count FROM tickler_rescues WHERE queue = %s",
     set_paused=_SET_PAUSED,
     tick_insert="INSERT INTO tickler_periodic (queue, name, last_tick) VALUES (%s, %s, %s)"
     " ON CONFLICT (queue, name) DO NOTHING RETURNING 1",
@@ -407,22 +439,30 @@ FROM want CROSS JOIN LATERAL (
 WHERE want.n > 1 OR (want.n = 1 AND want.run_at > %(now)s)
 """  # noqa: S608 (constants only)
 
-# A limited claim's rows, by id, and a start recorded for each of a rated group: one
-# statement, whose answer may be read once the batch has committed.
+# A limited claim's rows, by id, and a start recorded for each of a rated group, and its
+# rescues recorded and counted (as _CLAIM's): one statement, whose answer may be read once
+# the batch has committed.
 _CLAIM_PICKED = f"""
 WITH claimed AS (
     UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
-        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL
+        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL,
+        {RESCUE_SETS.format(now="%(now)s")}
     WHERE id = ANY(%(ids)s::int8[]) AND ({_READY}
         OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
             AND NOT cancel_requested))
-    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name
+    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name,
+        {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
 ), started AS (
     INSERT INTO tickler_starts (queue, group_name, started_at)
     SELECT %(queue)s, group_name, %(now)s FROM claimed
     WHERE group_name = ANY(%(rated)s::text[])
+), counted AS (
+    INSERT INTO tickler_rescues (queue, reason, count)
+    SELECT %(queue)s, rescued_now, count(*) FROM claimed
+    WHERE rescued_now IS NOT NULL GROUP BY rescued_now
+    ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
 )
-SELECT id, request, attempts, key, enqueued_at, run_at, priority FROM claimed
+SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now FROM claimed
 """  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
@@ -446,9 +486,11 @@ SELECT id, request, attempts, key, enqueued_at, run_at, priority FROM claimed
 _NOT_PAUSED = "NOT EXISTS (SELECT 1 FROM tickler_queues WHERE queue = %(queue)s AND paused)"
 
 _CLAIM = f"""
+WITH claimed AS (
 UPDATE tickler_requests AS t
 SET state = 'running', owner = %(owner)s, lease_until = %(lease_until)s,
-    attempts = t.attempts + 1, started_at = NULL
+    attempts = t.attempts + 1, started_at = NULL,
+    {RESCUE_SETS.format(now="%(now)s")}
 WHERE t.id = ANY(ARRAY(
     SELECT id FROM (
         SELECT ready.id, ready.priority, ready.run_at AS due FROM (
@@ -482,7 +524,37 @@ WHERE t.id = ANY(ARRAY(
     ) AS both_kinds
     ORDER BY priority DESC, due, id LIMIT %(limit)s
 ))
-RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at, t.priority
+RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at, t.priority,
+    {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
+), counted AS (
+    INSERT INTO tickler_rescues (queue, reason, count)
+    SELECT %(queue)s, rescued_now, count(*) FROM claimed
+    WHERE rescued_now IS NOT NULL GROUP BY rescued_now
+    ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
+)
+SELECT * FROM claimed
+"""  # noqa: S608 (constants only)
+
+# The leases of the queue's running rows whose owner's liveness lock is free lapse at
+# once (see _pg_live): the owners that took their lock since the server started, but
+# this one, whose lock this transaction can take; as many rows as the claim that follows
+# takes (the others keep their lease until a claim has room). The lock is tried only for those
+# owners (CASE orders the tests): one that has not taken its lock again since a restart
+# must find it free when it does. Rows another transaction is claiming are skipped.
+_MARK_DEAD = f"""
+UPDATE tickler_requests SET lease_until = -%s::float8
+WHERE id IN (
+    SELECT id FROM tickler_requests
+    WHERE queue = %s AND state = 'running' AND lease_until > 0 AND owner IN (
+        SELECT owner FROM tickler_owners
+        WHERE owner <> %s AND CASE
+            WHEN locked_at > extract(epoch FROM pg_postmaster_start_time())
+            THEN pg_try_advisory_xact_lock({LOCK_KEY.format(owner="owner")})
+            ELSE FALSE END
+    )
+    ORDER BY lease_until LIMIT %s
+    FOR UPDATE SKIP LOCKED
+)
 """  # noqa: S608 (constants only)
 
 # When the next ready row falls due (the earliest run_at of each priority,
@@ -535,14 +607,16 @@ _OUTCOME_TYPES = {
 @functools.cache
 def _outcome_sql(kind: str) -> str:
     """One UPDATE for every outcome of a kind: one text, prepared once, whatever their number."""
-    types = ("int8", *_OUTCOME_TYPES[kind], "float8")
+    types = ("int8", *_OUTCOME_TYPES[kind], "int4", "float8")
     columns = ", ".join(f"column{i}" for i in range(1, len(types) + 1))
     arrays = ", ".join(f"%s::{t}[]" for t in types)
     sets = SETS[kind].format(now=f"v.column{len(types)}")
+    attempt = f"v.column{len(types) - 1}"
     return (
         f"UPDATE tickler_requests SET {sets}, owner = NULL, lease_until = NULL"  # noqa: S608
         f" FROM unnest({arrays}) AS v({columns})"
         " WHERE tickler_requests.id = v.column1 AND owner = %s AND state = 'running'"
+        f" AND ({attempt} IS NULL OR attempts = {attempt})"
         " RETURNING tickler_requests.id, state"
     )
 
@@ -558,8 +632,9 @@ _KEEPALIVES = {
 }
 
 
-def _open_connection(dsn: str) -> psycopg.Connection[Any]:
-    """A connection in autocommit, with TCP keepalives unless the DSN sets its own."""
+def _open_connection(dsn: str, application_name: str | None = None) -> psycopg.Connection[Any]:
+    """A connection in autocommit, with TCP keepalives unless the DSN sets its own (and
+    ``application_name``, unless the DSN names one)."""
     import psycopg
     import psycopg.conninfo
 
@@ -567,6 +642,8 @@ def _open_connection(dsn: str) -> psycopg.Connection[Any]:
     keepalives: dict[str, Any] = {
         key: value for key, value in _KEEPALIVES.items() if key not in given
     }
+    if application_name is not None and "application_name" not in given:
+        keepalives["application_name"] = application_name
     return psycopg.connect(dsn, autocommit=True, connect_timeout=10, **keepalives)
 
 
@@ -947,6 +1024,21 @@ class PostgresSession:
         self.limited_memo: dict[str, LimitedMemo] = {}
         self.db = self._open()
         self._pipeline: psycopg.Pipeline | None = None
+        self.liveness = Liveness(self._open_liveness, store.schema)
+        try:
+            self.liveness.open()
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _open_liveness(self) -> psycopg.Connection[Any]:
+        """The connection that holds the liveness lock, and does nothing else."""
+        import psycopg
+
+        try:
+            return _open_connection(self.store.dsn, "tickler liveness")
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from None
 
     def _open(self) -> psycopg.Connection[Any]:
         import psycopg
@@ -976,11 +1068,21 @@ class PostgresSession:
         which costs a wait for the GIL as well as the network.
         """
         self._reconnect_if_broken()
+        import psycopg
+
+        try:
+            lost = self.liveness.hold(owner, batch.renew)
+        except psycopg.Error as exc:
+            raise StoreError(f"the liveness lock could not be held: {exc}") from None
+        if lost:
+            batch = attrs.evolve(batch, claim=0, renew=False)
         try:
             with self.db.pipeline() as pipeline:
                 self._pipeline = pipeline
                 try:
-                    return run_batch(self, queue, owner, lease, retention, batch)
+                    result = run_batch(self, queue, owner, lease, retention, batch)
+                    result.lost = lost
+                    return result
                 finally:
                     self._pipeline = None
         except BaseException:
@@ -1007,6 +1109,7 @@ class PostgresSession:
         return self._twice(counts, queue)  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        self.liveness.close()
         self.db.close()
 
     # -- the admin's words (see _admin.AdminDialect)
@@ -1154,6 +1257,9 @@ class PostgresSession:
             except psycopg.Error:
                 if self.db.closed or self.db.broken:
                     raise
+
+    def mark_dead(self, queue: str, owner: str, now: float, limit: int) -> None:
+        self.db.execute(_MARK_DEAD, (now, queue, owner, limit))
 
     def listed(self, values: Sequence[Any]) -> list[Any]:
         return list(values)
@@ -1349,6 +1455,7 @@ def inspect(dsn: str, schema: str, latest: int) -> dict[str, QueueReport]:
             latest,
             paused=version[0] >= 2,
             groups=_STATEMENTS.busiest_groups if version[0] >= 3 else None,
+            rescues=version[0] >= 4,
         )
     finally:
         db.close()

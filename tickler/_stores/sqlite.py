@@ -7,6 +7,7 @@ _sql.run_batch, over SQLite's dialect, SqliteSession.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
+
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
 from ._admin import Admin
@@ -24,6 +27,10 @@ from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
     INSERT_COLUMNS,
+    LEASE_LAPSED,
+    OWNER_DIED,
+    RESCUE_RETURNED,
+    RESCUE_SETS,
     ROW_COLUMNS,
     SETS,
     Enqueue,
@@ -41,8 +48,9 @@ from ._sql import (
     run_batch,
     seconds,
 )
+from ._sqlite_live import Liveness
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _T = TypeVar("_T")
 
@@ -252,6 +260,29 @@ def _add_trace_context(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE tickler_requests ADD COLUMN tracestate TEXT")
 
 
+# Version 7's count of each queue's rescues by reason (see _sql.RESCUE_REASONS).
+_RESCUES_TABLE = (
+    "CREATE TABLE IF NOT EXISTS tickler_rescues ("
+    " queue TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,"
+    " PRIMARY KEY (queue, reason)) WITHOUT ROWID"
+)
+
+
+def _to_v7(db: sqlite3.Connection) -> None:
+    """Version 7: why and when each row was last rescued (claimed again while running:
+    its owner's liveness lock was free, or its lease lapsed), and each queue's rescues
+    by reason.
+
+    Each step is skipped where the file already has it.
+    """
+    columns = {row[1] for row in db.execute("PRAGMA table_info(tickler_requests)")}
+    if "rescued" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN rescued TEXT")
+    if "rescued_at" not in columns:
+        db.execute("ALTER TABLE tickler_requests ADD COLUMN rescued_at REAL")
+    db.execute(_RESCUES_TABLE)
+
+
 # From each older version, what brings a file to the next one.
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _to_v2,
@@ -259,6 +290,7 @@ _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     3: _to_v4,
     4: _to_v5,
     5: _add_trace_context,
+    6: _to_v7,
 }
 
 # A keyed row, unless its key is held by a row whose unique_until has not come, or live
@@ -321,6 +353,11 @@ def _many_sql(rows: int) -> str:
     )
 
 
+_COUNT_RESCUES = (
+    "INSERT INTO tickler_rescues (queue, reason, count) VALUES (?, ?, ?)"
+    " ON CONFLICT (queue, reason) DO UPDATE SET count = count + excluded.count"
+)
+
 _LIVE_WHERE = f"SELECT id, state FROM tickler_requests WHERE queue = ? AND {_LIVE_STATE} AND"  # noqa: S608 (constants only)
 _ROW = f"SELECT {ROW_COLUMNS} FROM tickler_requests"  # noqa: S608 (constants only)
 
@@ -328,9 +365,10 @@ _STATEMENTS = Statements(
     insert=_INSERT,
     holder_of_key=_HOLDER_OF_KEY,
     renew="UPDATE tickler_requests SET lease_until = ?"
-    " WHERE queue = ? AND state = 'running' AND owner = ?",
+    " WHERE queue = ? AND state = 'running' AND owner = ? AND lease_until > 0",
     mine="SELECT id, cancel_requested FROM tickler_requests"
-    " WHERE queue = ? AND state = 'running' AND owner = ?",
+    " WHERE queue = ? AND state = 'running' AND owner = ? AND lease_until > 0",
+    count_rescues=_COUNT_RESCUES,
     end_cancelled_orphans="UPDATE tickler_requests"
     " SET state = 'cancelled', finished_at = ?, owner = NULL, lease_until = NULL"
     " WHERE queue = ? AND state = 'running' AND lease_until < ? AND owner <> ?"
@@ -355,7 +393,8 @@ _STATEMENTS = Statements(
     counts=f"SELECT {COUNTED_STATE} AS s, count(*) FROM tickler_requests"  # noqa: S608 (constants only)
     " WHERE queue = ? GROUP BY s"
     " UNION ALL SELECT 'paused', CASE WHEN paused THEN 1 ELSE 0 END FROM tickler_queues"
-    " WHERE queue = ?",
+    " WHERE queue = ?"
+    " UNION ALL SELECT 'rescued_' || reason, count FROM tickler_rescues WHERE queue = ?",
     set_paused="INSERT INTO tickler_queues (queue, paused) VALUES (?, ?)"
     " ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused",
     tick_insert="INSERT INTO tickler_periodic (queue, name, last_tick) VALUES (?, ?, ?)"
@@ -402,13 +441,15 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
 )
 
 # A limited claim's rows by id (owner, lease_until, ids, now, owner), RETURNING them as
-# Claimed; then a start of each group of a list (a group listed twice started twice).
+# Claimed, the rescue's reason last (its rescue recorded, see RESCUE_SETS); then a start of
+# each group of a list (a group listed twice started twice).
 _CLAIM_IDS = (
     "UPDATE tickler_requests SET state = 'running', owner = ?1, lease_until = ?2,"  # noqa: S608 (constants only)
-    " attempts = attempts + 1, started_at = NULL"
+    f" attempts = attempts + 1, started_at = NULL, {RESCUE_SETS.format(now='?4')}"
     f" WHERE id IN (SELECT value FROM json_each(?3)) AND ({_READY}"
     " OR (state = 'running' AND lease_until < ?4 AND owner <> ?5 AND NOT cancel_requested))"
-    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority"
+    " RETURNING id, request, attempts, key, enqueued_at, run_at, priority,"
+    f" {RESCUE_RETURNED.format(now='?4')}"
 )
 _RECORD_STARTS = (
     "INSERT INTO tickler_starts (queue, group_name, started_at)"
@@ -449,18 +490,34 @@ ORDER BY run_at, id LIMIT :limit
 """  # noqa: S608 (constants only)
 
 _EXPIRED = """
-SELECT id, priority, run_at FROM tickler_requests
+SELECT id, priority, run_at, lease_until FROM tickler_requests
 WHERE queue = :queue AND state = 'running' AND lease_until < :now
     AND owner <> :owner AND NOT cancel_requested
 ORDER BY lease_until LIMIT :limit
 """
 
-_CLAIM = """
+_CLAIM = f"""
 UPDATE tickler_requests
-SET state = 'running', owner = ?, lease_until = ?, attempts = attempts + 1, started_at = NULL
-WHERE id IN (SELECT value FROM json_each(?))
-RETURNING id, request, attempts, key, enqueued_at, run_at, priority
-"""
+SET state = 'running', owner = ?1, lease_until = ?2, attempts = attempts + 1, started_at = NULL,
+    {RESCUE_SETS.format(now="?4")}
+WHERE id IN (SELECT value FROM json_each(?3))
+RETURNING id, request, attempts, key, enqueued_at, run_at, priority,
+    {RESCUE_RETURNED.format(now="?4")}
+"""  # noqa: S608 (constants only)
+
+# The owners of the queue's running rows whose leases no look found dead yet, but one's
+# own (on tickler_running).
+_RUNNING_OWNERS = (
+    "SELECT DISTINCT owner FROM tickler_requests WHERE queue = ? AND state = 'running'"
+    " AND lease_until > 0 AND owner <> ?"
+)
+
+# The leases of some of a dead owner's running rows of the queue lapse at once.
+_MARK_DEAD = (
+    "UPDATE tickler_requests SET lease_until = -?1 WHERE id IN (SELECT id FROM tickler_requests"
+    " WHERE queue = ?2 AND state = 'running' AND owner = ?3 AND lease_until > 0"
+    " ORDER BY lease_until LIMIT ?4)"
+)
 
 # When the next ready row falls due: the earliest run_at of each priority, the
 # priorities found one at a time on tickler_ready (as the claim finds them).
@@ -482,14 +539,16 @@ SELECT
 """  # noqa: S608 (constants only)
 
 # "succeeded" for requests whose result is None (kept as NULL), given as a
-# JSON list of ids.
+# JSON list of [id, attempt] pairs: written only at that attempt (null: any).
 _SUCCEEDED_BARE = """
 UPDATE tickler_requests
 SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END,
-    result = NULL, finished_at = ?, owner = NULL, lease_until = NULL,
-    started_at = coalesce(started_at, ?)
-WHERE id IN (SELECT value FROM json_each(?)) AND owner = ? AND state = 'running'
-RETURNING id, state
+    result = NULL, finished_at = ?1, owner = NULL, lease_until = NULL,
+    started_at = coalesce(started_at, ?1)
+FROM (SELECT value ->> 0 AS id, value ->> 1 AS attempt FROM json_each(?2)) AS v
+WHERE tickler_requests.id = v.id AND owner = ?3 AND state = 'running'
+    AND (v.attempt IS NULL OR attempts = v.attempt)
+RETURNING tickler_requests.id, state
 """
 
 # Attempts that started since the last batch and still run: a claimed row's
@@ -751,6 +810,7 @@ class SqliteSession:
         self.limits_written: dict[str, str] = {}
         self.limited_memo: dict[str, LimitedMemo] = {}
         path = store.path
+        self.liveness = Liveness(path)
         if path.is_dir():
             raise StoreError(f"{path} is a directory, not a SQLite database")
         try:
@@ -771,8 +831,19 @@ class SqliteSession:
     def run(
         self, queue: str, owner: str, lease: float, retention: float, batch: Batch
     ) -> BatchResult:
-        """Write and ask everything in ``batch`` in one transaction (see _sql.run_batch)."""
-        return run_batch(self, queue, owner, lease, retention, batch)
+        """Write and ask everything in ``batch`` in one transaction (see _sql.run_batch),
+        holding ``owner``'s liveness lock.
+
+        If a look finds the lock lost, the batch renews and claims nothing, and says so
+        (BatchResult.lost): the caller takes a new owner id.
+        """
+        lost = self.liveness.hold(owner, batch.renew)
+        if lost:
+            batch = attrs.evolve(batch, claim=0, renew=False)
+        self._look = batch.renew
+        result = run_batch(self, queue, owner, lease, retention, batch)
+        result.lost = lost
+        return result
 
     def lookup(self, queue: str, id_or_key: object) -> Row | None:
         return lookup(self, queue, id_or_key)
@@ -784,6 +855,7 @@ class SqliteSession:
         return counts(self, queue)
 
     def close(self) -> None:
+        self.liveness.release()
         self.db.close()
 
     # -- the admin's words (see _admin.AdminDialect)
@@ -853,17 +925,18 @@ class SqliteSession:
         # Successes without a result (None is kept as NULL) share every value
         # but the id: one statement over a list of ids, which costs SQLite
         # less per row than a join with VALUES.
-        bare: list[int] = []
+        bare: list[tuple[int, int | None]] = []
         for kind, request_id, values in outcomes:
             if kind == "succeeded" and values[0] is None:
-                bare.append(request_id)
+                bare.append((request_id, values[-1]))
             else:
                 by_kind.setdefault(kind, []).append((request_id, values))
         applied: dict[int, str] = {}
         if bare:
-            applied.update(x(_SUCCEEDED_BARE, (now, now, json.dumps(bare), owner)).fetchall())
+            applied.update(x(_SUCCEEDED_BARE, (now, json.dumps(bare), owner)).fetchall())
         for kind, entries in by_kind.items():
             width = 2 + len(entries[0][1])
+            attempt = f"v.column{width - 1}"
             sets = SETS[kind].format(now=f"v.column{width}")
             per_statement = max(1, 900 // width)
             for start in range(0, len(entries), per_statement):
@@ -875,7 +948,8 @@ class SqliteSession:
                         f"UPDATE tickler_requests SET {sets}, owner = NULL,"  # noqa: S608
                         f" lease_until = NULL FROM (VALUES {','.join([row] * len(chunk))}) AS v"
                         " WHERE tickler_requests.id = v.column1 AND owner = ?"
-                        " AND state = 'running' RETURNING tickler_requests.id, state",
+                        f" AND state = 'running' AND ({attempt} IS NULL OR attempts = {attempt})"
+                        " RETURNING tickler_requests.id, state",
                         [*params, owner],
                     ).fetchall()
                 )
@@ -899,12 +973,20 @@ class SqliteSession:
             found.extend(x(_READY_AT, {**params, "limit": limit - len(found)}).fetchall())
             priority = x(_NEXT_PRIORITY, (queue, priority)).fetchone()[0]
         params = {"queue": queue, "now": now, "owner": owner, "limit": limit}
-        found.extend(x(_EXPIRED, params).fetchall())
+        expired_rows = x(_EXPIRED, params).fetchall()
+        found.extend(row[:3] for row in expired_rows)
+        expired = {row[0]: row[3] for row in expired_rows}  # id: lease_until
         if not found:
             return list
         found.sort(key=lambda row: (-row[1], row[2], row[0]))
-        ids = json.dumps([row[0] for row in found[:limit]])
-        return x(_CLAIM, (owner, lease_until, ids)).fetchall
+        picked = [row[0] for row in found[:limit]]
+        rows: list[Claimed] = x(_CLAIM, (owner, lease_until, json.dumps(picked), now)).fetchall()
+        rescued = collections.Counter(
+            OWNER_DIED if expired[i] < 0 else LEASE_LAPSED for i in picked if i in expired
+        )
+        for reason, count in rescued.items():
+            x(_COUNT_RESCUES, (queue, reason, count))
+        return rows.copy
 
     def due_and_live(self, queue: str) -> Callable[[], tuple[float | None, int, bool]]:
         return self.db.execute(_DUE_AND_LIVE, {"queue": queue}).fetchone
@@ -923,6 +1005,23 @@ class SqliteSession:
 
     def after_error_in_transaction(self) -> None:
         """Nothing to do: SQLite takes the next statement after one failed."""
+
+    # Whether the batch under way is a look (Batch.renew).
+    _look = False
+
+    def mark_dead(self, queue: str, owner: str, now: float, limit: int) -> None:
+        """The owners whose byte of the lock file is free: the leases of up to ``limit`` of
+        their rows lapse now. Only in a look's claim (every poll_interval, or lease / 3):
+        finding the owners reads every running row of the queue, which a claim between
+        two looks (a busy process's many small ones) does not pay for."""
+        if not self._look:
+            return
+        x = self.db.execute
+        owners = [row[0] for row in x(_RUNNING_OWNERS, (queue, owner))]
+        for dead in self.liveness.dead(owners):
+            limit -= x(_MARK_DEAD, (now, queue, dead, limit)).rowcount
+            if limit <= 0:
+                break
 
     def listed(self, values: Sequence[Any]) -> str:
         return json.dumps(list(values))
@@ -953,6 +1052,8 @@ class SqliteSession:
         x = self.db.execute
         ids = json.dumps([request_id for request_id, _ in picked])
         rows = [tuple(row) for row in x(_CLAIM_IDS, (owner, lease_until, ids, now, owner))]
+        for reason, count in collections.Counter(row[7] for row in rows if row[7]).items():
+            x(_STATEMENTS.count_rescues, (queue, reason, count))
         taken = {row[0] for row in rows}
         rated_set = set(rated)
         started = [g for i, g in picked if i in taken and g is not None and g in rated_set]
@@ -1005,6 +1106,7 @@ def _check_schema(db: sqlite3.Connection, path: Path) -> None:
                 _to_v4(db)
                 _to_v5(db)
                 _add_trace_context(db)
+                _to_v7(db)
                 db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
                 db.execute("COMMIT")
         except BaseException:
@@ -1070,6 +1172,7 @@ def inspect(path: Path, latest: int) -> dict[str, QueueReport]:
             latest,
             paused=version[0] >= 3,
             groups=_STATEMENTS.busiest_groups if version[0] >= 4 else None,
+            rescues=version[0] >= 5,
         )
     finally:
         db.close()

@@ -1,0 +1,157 @@
+"""PostgreSQL's liveness locks: a session-level advisory lock per owner, on a connection of
+its own, which the server releases when the session ends.
+
+A service's session takes the lock of its owner id (``hashtextextended('tickler:owner:'
+|| owner, 0)``) on a connection that does nothing else, and records the owner in
+``tickler_owners`` with the time it took the lock. The server ends a dead client's
+session, and the lock with it: another replica's batch then finds the lock free
+(pg_try_advisory_xact_lock, held until its transaction ends) and rescues the owner's
+rows at once. An owner whose record is older than the server's start has not taken its
+lock again since a restart: it may be alive and reconnecting, and only its lease
+rescues its rows.
+
+Each look pings the connection (the ping deletes the records of dead owners that run
+nothing). If the connection was lost and the server did not restart, the lock was
+lost while this process lives (its backend was terminated, say): the session says so,
+and its service takes a new owner id. If the server restarted, the lock is taken again
+for the same owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._exceptions import StoreError
+
+if TYPE_CHECKING:
+    import psycopg
+
+# The advisory lock key of an owner, as SQL of the owner's column or parameter.
+LOCK_KEY = "hashtextextended('tickler:owner:' || {owner}, 0)"
+
+# How long a session tries to take its lock (a replica's batch holds it for an instant
+# while it asks whether the owner is alive).
+_TAKE_FOR = 2.0
+
+
+class Liveness:
+    """One session's liveness connection and lock."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], schema: str) -> None:
+        self.connect = connect
+        self.db: psycopg.Connection[Any] | None = None
+        self.owner: str | None = None
+        self.started: float | None = None  # the server's start, when the lock was taken
+        owners = f'"{schema}".tickler_owners'
+        requests = f'"{schema}".tickler_requests'
+        # One round trip: try the lock; if taken, record it; and the server's start.
+        self.take = (
+            f"WITH locked AS (SELECT pg_try_advisory_lock({LOCK_KEY.format(owner='%s')}) AS ok),"  # noqa: S608 (a checked identifier)
+            f" recorded AS (INSERT INTO {owners} (owner, locked_at)"
+            " SELECT %s, extract(epoch FROM clock_timestamp()) FROM locked WHERE ok"
+            " ON CONFLICT (owner) DO UPDATE SET locked_at = excluded.locked_at RETURNING 1)"
+            " SELECT ok, extract(epoch FROM pg_postmaster_start_time())::float8,"
+            " (SELECT count(*) FROM recorded) FROM locked"
+        )
+        # The ping: the records of owners whose lock is free and that run nothing go.
+        self.ping = (
+            f"DELETE FROM {owners} AS o WHERE o.owner <> %s"  # noqa: S608 (a checked identifier)
+            f" AND NOT EXISTS (SELECT 1 FROM {requests} AS r"
+            " WHERE r.state = 'running' AND r.owner = o.owner)"
+            # An owner that has not taken its lock since a restart may be taking it again:
+            # its lock is tried once the server has run for an hour.
+            " AND CASE WHEN o.locked_at > extract(epoch FROM pg_postmaster_start_time())"
+            " OR now() - pg_postmaster_start_time() > interval '1 hour'"
+            f" THEN pg_try_advisory_xact_lock({LOCK_KEY.format(owner='o.owner')})"
+            " ELSE FALSE END"
+        )
+        self.unregister = (
+            f"DELETE FROM {owners} AS o WHERE o.owner = %s"  # noqa: S608 (a checked identifier)
+            f" AND NOT EXISTS (SELECT 1 FROM {requests} AS r"
+            " WHERE r.state = 'running' AND r.owner = o.owner)"
+        )
+
+    def hold(self, owner: str, check: bool) -> bool:
+        """Hold ``owner``'s lock; True if it was lost while this process lives.
+
+        ``check``: ping the connection (a look). Raises StoreError if the server cannot
+        be reached: the batch fails, and the next one tries again.
+        """
+        import psycopg
+
+        if owner != self.owner:
+            if self.owner is not None:
+                self.release()  # (the old lock with its session)
+            fresh = self.db if self.db is not None and not self.db.broken else self.connect()
+            self.db = None
+            if not self._take(fresh, owner):
+                fresh.close()
+                return True
+            self.db, self.owner = fresh, owner
+            return False
+        held = self.db
+        if held is not None:
+            if not check:
+                return False
+            try:
+                held.execute(self.ping, (owner,))
+            except psycopg.OperationalError:
+                if not (held.closed or held.broken):
+                    raise
+            else:
+                return False
+            self.db = None
+            with contextlib.suppress(Exception):
+                held.close()
+        # The connection was lost: the lock with it.
+        db = self.connect()
+        if _server_start(db) == self.started or not self._take(db, owner):
+            # The server lives on: another replica may have rescued this owner's rows.
+            db.close()
+            self.owner = None
+            return True
+        self.db = db
+        return False
+
+    def open(self) -> None:
+        """Connect ahead of the first batch, which then only takes the lock."""
+        if self.db is None:
+            self.db = self.connect()
+
+    def _take(self, db: psycopg.Connection[Any], owner: str) -> bool:
+        """Take owner's lock on ``db`` and record it; False if another session holds it."""
+        give_up = time.monotonic() + _TAKE_FOR
+        while True:
+            row = db.execute(self.take, (owner, owner)).fetchone()
+            if row is not None and row[0]:
+                self.started = float(row[1])
+                return True
+            if time.monotonic() > give_up:
+                return False
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        """Give the lock up: the session ends (the owner's record stays until the owner
+        runs nothing). The next owner connects again."""
+        db, self.db, self.owner = self.db, None, None
+        if db is not None:
+            with contextlib.suppress(Exception):
+                db.close()
+
+    def close(self) -> None:
+        """The service's run ended: its record goes if it runs nothing; the lock is given up."""
+        db = self.db
+        if db is not None and self.owner is not None:
+            with contextlib.suppress(Exception):
+                db.execute(self.unregister, (self.owner,))
+        self.release()
+
+
+def _server_start(db: psycopg.Connection[Any]) -> float:
+    row = db.execute("SELECT extract(epoch FROM pg_postmaster_start_time())::float8").fetchone()
+    if row is None:
+        raise StoreError("the server gave no start time")
+    return float(row[0])
