@@ -270,6 +270,8 @@ def test_readme_says_how_a_user_installs_each_extra() -> None:
         "trio-tickler[postgres]",
         "trio-tickler[prometheus]",
         "trio-tickler[cron]",
+        "trio-tickler[web]",
+        "trio-tickler[otel]",
     ]
     extras = set(project["optional-dependencies"])
     installed = set(importlib.metadata.metadata("trio-tickler").get_all("Provides-Extra") or ())
@@ -277,7 +279,7 @@ def test_readme_says_how_a_user_installs_each_extra() -> None:
         extra = name.split("[")[1].rstrip("]")
         assert extra in extras
         assert extra in installed
-    assert "pip install '.[postgres,prometheus,cron]'" in section
+    assert "pip install '.[postgres,prometheus,cron,web,otel]'" in section
 
 
 COMMANDS = [
