@@ -930,7 +930,6 @@ class PostgresSession:
 
     mark = "%s"
     ready_state = _READY
-    minute = "floor(finished_at / 60)::int8"
 
     def key_taken(self, exc: BaseException) -> bool:
         import psycopg.errors
