@@ -3,10 +3,10 @@
 An :class:`Admin` acts on every queue of a store directly, through a session of its own
 (the store's ``connect()``), each call on a worker thread. Its SQL is written here once,
 over an :class:`AdminDialect`: the store's session, which says its placeholder, the very
-words of its partial index of ready rows, and how it reads a time's minute. The dialects
-keep no SQL of the admin's but for those words; the indexes the admin reads on are each
-store's own (see the stores' schemas: tickler_by_state, tickler_by_group,
-tickler_finished_by_queue).
+words of its partial index of ready rows. The dialects keep no SQL of the admin's but for
+those words; the indexes the admin reads on are each store's own (see the stores'
+schemas: tickler_by_state, tickler_by_group, tickler_finished_by_queue), and so is the
+trigger that counts the requests finished per minute into tickler_minutes.
 
 Cancel and lookup are the service's own (_sql.cancel, _sql.lookup): a running request's
 cancel is asked of its owner, whose next look at its leases (within one poll_interval)
@@ -159,8 +159,6 @@ class AdminDialect(Dialect, Protocol):
     """The placeholder of the session's statements."""
     ready_state: str
     """The WHERE term of the store's partial index of ready rows, in its very words."""
-    minute: str
-    """An SQL expression of the minute (an integer count since the epoch) of finished_at."""
 
     def key_taken(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the store refusing a second live row of a key."""

@@ -862,7 +862,6 @@ class SqliteSession:
 
     mark = "?"
     ready_state = _READY
-    minute = "CAST(finished_at / 60 AS INTEGER)"
 
     def key_taken(self, exc: BaseException) -> bool:
         return isinstance(exc, sqlite3.IntegrityError) and "tickler_requests.queue" in str(exc)
