@@ -29,7 +29,7 @@ import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
 from .._exceptions import KeyTaken
-from ._sql import COUNTED, Dialect, cancel, limited_now
+from ._sql import COUNTED, RESCUE_REASONS, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
 
@@ -436,6 +436,11 @@ def _counts(
     flag = d.execute(d.statements.paused, (queue,)).fetchone()
     found["paused"] = int(bool(flag is not None and flag[0]))
     found["limited"] = limited_now(d, queue)
+    for reason in RESCUE_REASONS:
+        found[f"rescued_{reason}"] = 0
+    rescues = f"SELECT reason, count FROM tickler_rescues WHERE queue = {m}"
+    for reason, count in d.execute(rescues, (queue,)).fetchall():
+        found[f"rescued_{reason}"] = int(count)
     return found, estimated
 
 
