@@ -396,26 +396,7 @@ def run_batch(
             d.lock_limited(queue)
         now, shift = d.now()
         result.now, result.shift = now, shift
-        inserts, outcomes = batch.inserts, batch.outcomes
-        if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
-            outcomes = [_with_attempt(outcome) for outcome in outcomes]
-        if shift or any(len(e) < 6 for e in inserts):
-            # The loop's times (an enqueue's run_at and unique_until, an
-            # outcome's) are this process's time.time(): moved onto the store's
-            # clock. An entry without priority and unique_until has 0 and None.
-            inserts = [_shifted_insert(e, shift) for e in inserts]
-            outcomes = [_shifted(outcome, shift) for outcome in outcomes]
-        if batch.isolate:
-            result.inserted = _insert_isolated(d, queue, inserts, now, result.refused)
-        else:
-            result.inserted = _insert(d, queue, inserts, now)
-        if batch.traces:
-            _write_traces(d, batch.traces, result.inserted)
-        if batch.ticks:
-            result.ticked = _tick(d, queue, batch.ticks, now)
-        if batch.started:
-            d.mark_started(owner, batch.started, now)
-        result.applied = d.write_outcomes(owner, outcomes, now)
+        _write(d, queue, owner, now, shift, batch, result)
         if batch.claim or batch.renew:
             x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.renew:
@@ -459,6 +440,33 @@ def run_batch(
         d.rollback()
         raise
     return result
+
+
+def _write(
+    d: Dialect, queue: str, owner: str, now: float, shift: float, batch: Batch, result: BatchResult
+) -> None:
+    """The batch's writes before its claim: its inserts (and their trace context), its
+    ticks, the attempts started and the outcomes (see run_batch)."""
+    inserts, outcomes = batch.inserts, batch.outcomes
+    if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
+        outcomes = [_with_attempt(outcome) for outcome in outcomes]
+    if shift or any(len(e) < 6 for e in inserts):
+        # The loop's times (an enqueue's run_at and unique_until, an
+        # outcome's) are this process's time.time(): moved onto the store's
+        # clock. An entry without priority and unique_until has 0 and None.
+        inserts = [_shifted_insert(e, shift) for e in inserts]
+        outcomes = [_shifted(outcome, shift) for outcome in outcomes]
+    if batch.isolate:
+        result.inserted = _insert_isolated(d, queue, inserts, now, result.refused)
+    else:
+        result.inserted = _insert(d, queue, inserts, now)
+    if batch.traces:
+        _write_traces(d, batch.traces, result.inserted)
+    if batch.ticks:
+        result.ticked = _tick(d, queue, batch.ticks, now)
+    if batch.started:
+        d.mark_started(owner, batch.started, now)
+    result.applied = d.write_outcomes(owner, outcomes, now)
 
 
 def _claim(
@@ -1189,6 +1197,29 @@ def _rooms(slots: _Slots, limit: int) -> tuple[list[tuple[str, int]], int]:
     return rooms, max(0, min(bounds))
 
 
+def _walk(
+    candidates: list[tuple[Any, ...]], slots: _Slots, limit: int
+) -> list[tuple[int, str | None]]:
+    """Up to ``limit`` of the candidates, in claim order, skipping each whose group has no
+    room left in ``slots`` (which it takes from): (id, group) each."""
+    candidates.sort(key=_claim_key)
+    picked: list[tuple[int, str | None]] = []
+    seen: set[int] = set()
+    for request_id, _, _, group in candidates:
+        if len(picked) >= limit:
+            break
+        if request_id in seen:
+            continue
+        seen.add(request_id)
+        if group is not None:
+            room = slots.room(group)
+            if room is not None and room <= 0:
+                continue
+            slots.take(group)
+        picked.append((request_id, group))
+    return picked
+
+
 def claim_limited(
     d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
 ) -> Callable[[], tuple[list[Claimed], int]]:
@@ -1213,11 +1244,10 @@ def claim_limited(
     where that reads few rows, asks for each group's first rows with the counts, as many
     as its limits could ever let start at once, before its room is known. No backlog of a
     blocked group is read past those rows. The start of each claimed row of a rate-limited
-    group is recorded, and starts older than the longest window deleted.
-
-    The statements are asked in as few round trips as their answers allow: a store that
-    pipelines them (PostgreSQL) waits for the server once or twice before the claim, which
-    goes with the batch's commit.
+    group is recorded, and starts older than the longest window deleted. The statements
+    are asked in as few round trips as their answers allow: a store that pipelines them
+    (PostgreSQL) waits for the server once or twice before the claim, which goes with the
+    batch's commit.
     """
     x, sql = d.execute, d.statements
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
@@ -1225,15 +1255,12 @@ def claim_limited(
     if window > 0:
         x(sql.prune_starts, (queue, now - window))
     size = limit + CHUNK_EXTRA
-    by_groups = memo.groups is not None and memo.groups <= size
-    # The most rows of each group the claim could take, whatever runs: where that reads
-    # few rows, the groups' rows are asked for with the rest, before their rooms are known.
+    seen = memo.groups if memo.groups is not None else size + 1  # groups, at the last claim
+    by_groups = seen <= size
+    # The most rows of each group the claim could take, whatever runs: where few, they are
+    # asked for with the rest, before the groups' rooms are known.
     most, most_default = _rooms(_Slots(limits, now, {}, {}), limit)
-    early = (
-        by_groups
-        and memo.groups is not None
-        and memo.groups * most_default + sum(room for _, room in most) <= 2 * size
-    )
+    early = by_groups and seen * most_default + sum(room for _, room in most) <= 2 * size
     # Asked all at once, before any answer is read (one round trip where pipelined).
     paused_cursor = x(sql.paused, (queue,))
     slots_read = _slots(d, queue, limits, now)
@@ -1249,28 +1276,10 @@ def claim_limited(
     if paused is not None and paused[0]:
         return lambda: ([], 0)
 
-    def walk(candidates: list[tuple[Any, ...]], slots: _Slots) -> list[tuple[int, str | None]]:
-        candidates.sort(key=_claim_key)
-        picked: list[tuple[int, str | None]] = []
-        seen: set[int] = set()
-        for request_id, _, _, group in candidates:
-            if len(picked) >= limit:
-                break
-            if request_id in seen:
-                continue
-            seen.add(request_id)
-            if group is not None:
-                room = slots.room(group)
-                if room is not None and room <= 0:
-                    continue
-                slots.take(group)
-            picked.append((request_id, group))
-        return picked
-
     picked: list[tuple[int, str | None]] = []
     slots = base.copy()
     if chunk is not None:
-        picked = walk(expired + chunk, slots)
+        picked = _walk(expired + chunk, slots, limit)
         if len(picked) < limit and len(chunk) >= size:
             # Groups at their limit fill the first rows: look group by group.
             by_groups, chunk, slots = True, None, base.copy()
@@ -1281,9 +1290,9 @@ def claim_limited(
             found_read = d.group_candidates(queue, now, rooms, default_room)
         found = [tuple(row) for row in found_read()]
         memo.groups = len({row[3] for row in found})
-        picked = walk(expired + ungrouped + [row for row in found if row[2] <= now], slots)
-    # Every due ready row was read (the first look did not fill up): the rows held back
-    # are counted from it; else they are asked for after the claim, with it.
+        picked = _walk(expired + ungrouped + [r for r in found if r[2] <= now], slots, limit)
+    # Every due ready row was read (the first look did not fill up): the rows held back are
+    # counted from it; else asked for after the claim, with it.
     whole = chunk is not None and len(chunk) < size
     rated = sorted({g for _, g in picked if g is not None and slots.rated(g)})
     claim_read = d.claim_picked(queue, owner, now + lease, now, picked, rated) if picked else None
@@ -1296,9 +1305,8 @@ def claim_limited(
         taken = {row[0] for row in rows}
         if len(rows) < len(picked):  # (a row cancelled in between)
             slots = base.copy()
-            for request_id, group in picked:
-                if request_id in taken and group is not None:
-                    slots.take(group)
+            for group in [g for i, g in picked if i in taken and g is not None]:
+                slots.take(group)
             if limited is not None:
                 limited()  # (read: no statement is left with rows to give)
                 limited = _limited(d, queue, slots, also)
