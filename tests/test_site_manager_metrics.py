@@ -71,10 +71,18 @@ def check(text: str, stats: dict[str, Any]) -> None:
             continue
         if status == "limited":  # shown as tickler_requests_limited (this process's count)
             continue
+        if status.startswith("rescued_"):  # the store's rescues so far, by reason
+            reason = status.removeprefix("rescued_")
+            assert sample(samples, "tickler_store_rescues_total", reason=reason) == count
+            continue
         assert sample(samples, "tickler_store_requests", status=status) == count, status
+    for reason in ("owner_died", "lease_lapsed"):  # this replica's claims' rescues
+        rescued = replica[f"rescued_{reason}"]
+        assert sample(samples, "tickler_rescues_total", reason=reason) == rescued
     assert sample(samples, "tickler_store_up") == 1
-    # Nothing else: 8 counters, 7 gauges, 2 x (25 buckets, count, sum), 7 store counts, up.
-    assert len(samples) == 8 + 1 + 4 + 2 + 2 * 27 + len(stats["store"]) + 1
+    # Nothing else: 8 counters, 7 gauges, 2 x (25 buckets, count, sum), 2 rescue reasons,
+    # the store's counts (its 7 states, and its 2 rescue reasons), up.
+    assert len(samples) == 8 + 1 + 4 + 2 + 2 * 27 + 2 + len(stats["store"]) + 1
 
 
 def stable(stats: dict[str, Any]) -> dict[str, Any]:
