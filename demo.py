@@ -124,11 +124,11 @@ def report(outcome: Outcome) -> str:
     lines = ["", "final statistics:"]
     for field, value in attrs.asdict(stats, recurse=False).items():
         if not isinstance(value, tickler.Histogram | None):
-            lines.append(f"  {field:>16}: {value}")
+            lines.append(f"  {field:>20}: {value}")
     if stats.wait_time is not None:
-        lines.append(f"  {'wait_time':>16}: {timing(stats.wait_time, 'requests', 'waited')}")
+        lines.append(f"  {'wait_time':>20}: {timing(stats.wait_time, 'requests', 'waited')}")
     if stats.run_time is not None:
-        lines.append(f"  {'run_time':>16}: {timing(stats.run_time, 'attempts', 'ran')}")
+        lines.append(f"  {'run_time':>20}: {timing(stats.run_time, 'attempts', 'ran')}")
     lines.append("")
     lines.append(summary(outcome))
     return "\n".join(lines)
