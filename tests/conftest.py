@@ -179,7 +179,14 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop the server: ``pg_ctl stop -m fast`` ends every session."""
+        launcher = self.executor.process
         self.executor.stop()
+        if launcher is not None:
+            # The launcher (pg_ctl start) ended long ago; close the pipes the executor
+            # opened to it, which would otherwise be left to the garbage collector.
+            for pipe in (launcher.stdin, launcher.stdout, launcher.stderr):
+                if pipe is not None:
+                    pipe.close()
 
     def remove(self) -> None:
         import shutil
