@@ -750,7 +750,11 @@ def test_three_workers_share_one_queue(backend: Backend, tmp_path: Path) -> None
     """10,000 requests run once each; keys de-duplicate across workers; a cancel crosses them."""
     log = tmp_path / "log"
     enqueue(backend, [f"r{i}" for i in range(10_000)] + ["blocker"])
-    options = ("--capacity", "50", "--keys", "100", "--cancel-blocker")
+    # The keyed requests fall due at one time for all three workers, late enough that each
+    # has enqueued its own while the others' are still live (a worker slow to start would
+    # otherwise find a key's first row already run, and make a second).
+    keys_due = str(time.time() + 5)
+    options = ("--capacity", "50", "--keys", "100", "--keys-due", keys_due, "--cancel-blocker")
     workers: list[subprocess.Popen[bytes]] = [
         worker(backend.worker_args(), log, *options) for _ in range(3)
     ]
