@@ -729,6 +729,19 @@ class EnqueueTracer(Protocol):
         ...
 
 
+def traced_enqueue(
+    tracer: EnqueueTracer | None,
+    queue: str,
+    count: int,
+    write: Callable[[tuple[str, str] | None], list[int]],
+) -> list[int]:
+    """``write`` (an enqueue_in's insert, given its trace context), inside an enqueue span
+    of ``count`` requests while tickler.otel traces the store; else with no trace."""
+    if tracer is None or not count:
+        return write(None)
+    return tracer.send(queue, count, write)
+
+
 @attrs.frozen
 class Enqueue:
     """What ``enqueue_in`` and ``enqueue_many_in`` write, checked and encoded."""

@@ -45,6 +45,7 @@ from ._sql import (
     report,
     run_batch,
     seconds,
+    traced_enqueue,
 )
 
 if TYPE_CHECKING:
@@ -827,11 +828,11 @@ class PostgresStore:
 
     def _traced(self, connection: psycopg.Connection[Any], queue: str, e: Enqueue) -> list[int]:
         """_enqueue, inside an enqueue span while tickler.otel traces this store."""
-        tracer = self._tracer
-        if tracer is None or not e.requests:
-            return self._enqueue(connection, queue, e)
-        return tracer.send(
-            queue, len(e.requests), lambda trace: self._enqueue(connection, queue, e, trace)
+        return traced_enqueue(
+            self._tracer,
+            queue,
+            len(e.requests),
+            lambda trace: self._enqueue(connection, queue, e, trace),
         )
 
     def _enqueue(

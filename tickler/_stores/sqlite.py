@@ -47,6 +47,7 @@ from ._sql import (
     report,
     run_batch,
     seconds,
+    traced_enqueue,
 )
 from ._sqlite_live import Liveness
 
@@ -738,11 +739,11 @@ class SqliteStore:
 
     def _traced(self, connection: sqlite3.Connection, queue: str, e: Enqueue) -> list[int]:
         """_enqueue, inside an enqueue span while tickler.otel traces this store."""
-        tracer = self._tracer
-        if tracer is None or not e.requests:
-            return self._enqueue(connection, queue, e)
-        return tracer.send(
-            queue, len(e.requests), lambda trace: self._enqueue(connection, queue, e, trace)
+        return traced_enqueue(
+            self._tracer,
+            queue,
+            len(e.requests),
+            lambda trace: self._enqueue(connection, queue, e, trace),
         )
 
     def _enqueue(
