@@ -117,6 +117,29 @@ def stop(*processes: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
+def stop_outside_a_transaction(process: subprocess.Popen[bytes], store: Any) -> None:
+    """SIGSTOP ``process``; with SqliteStore, again until it is stopped outside a batch's
+    transaction: one stopped inside holds the database's write lock, and every other
+    process waits until it runs again (see docs/failures.md)."""
+    while True:
+        process.send_signal(signal.SIGSTOP)
+        if not isinstance(store, tickler.SqliteStore):
+            return
+        import sqlite3
+
+        probe = sqlite3.connect(store.path, isolation_level=None, timeout=0.5)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError as exc:
+            assert "locked" in str(exc), exc
+        finally:
+            probe.close()
+        process.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+
+
 def statistics(store: Any) -> dict[str, int]:
     session = store.connect()
     try:
@@ -357,16 +380,13 @@ def test_a_stuck_worker_is_rescued_by_its_lease_and_its_late_results_never_count
     enqueue(store, [f"r{i}" for i in range(5)])
     log = tmp_path / "log"
     common = ("--poll-interval", "0.1", "--capacity", "5", "--result-attempt")
-    stuck_db = db_args(store)
-    if kind == "postgres":
-        # Stopped inside a batch's transaction, it would hold its rows' locks, which no
-        # lease can take: the server ends such a session (see docs/failures.md).
-        stuck_db[0] += "?options=-c%20idle_in_transaction_session_timeout%3D1000"
-    stuck = worker(stuck_db, log, *common, "--lease", "1", "--sleep", "2")
+    # Stopped inside a batch's transaction, it holds its rows' locks: the sibling's looks
+    # end its session once that transaction outlived its lease (see docs/failures.md).
+    stuck = worker(db_args(store), log, *common, "--lease", "1", "--sleep", "2")
     sibling = None
     try:
         wait_for(lambda: len(starts(log)) == 5, "the worker never held 5 rows")
-        stuck.send_signal(signal.SIGSTOP)  # alive, with its lock: only the lease can rescue
+        stop_outside_a_transaction(stuck, store)  # alive, with its lock: only the lease
         sibling = worker(db_args(store), log, *common, "--lease", "30", "--sleep", "0")
         assert sibling.wait(timeout=60) == 0  # it ran all five again
         stuck.send_signal(signal.SIGCONT)
@@ -390,6 +410,68 @@ def test_a_stuck_worker_is_rescued_by_its_lease_and_its_late_results_never_count
         check=True,
     ).stdout
     assert "  rescued: 0 owner_died, 5 lease_lapsed\n" in shown + "\n", shown
+
+
+def test_a_batch_stopped_mid_transaction_is_ended_once_it_outlives_its_lease(
+    postgres_dsn: str, postgres_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process stopped inside a batch keeps its liveness lock, and its transaction keeps
+    its rows' locks, which claims skip: another replica's look ends that session once its
+    transaction outlived its lease, and then rescues the rows by their lapsed lease. Here
+    the batch's thread is held right after its renewal, as a SIGSTOP there would."""
+    import threading
+
+    from tickler._stores._seam import Batch
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    enqueue(store, [f"r{i}" for i in range(5)])
+    stuck, rescuer = store.connect(), store.connect()
+    held, go_on = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+    try:
+        first = stuck.run("jobs", "stuck", 1.0, 86400.0, Batch(claim=5))
+        mine = {row[0] for row in first.claimed}
+        assert len(mine) == 5
+        execute = stuck.execute
+
+        def held_after_the_renewal(sql: str, params: Any = ()) -> Any:
+            cursor = execute(sql, params)
+            if sql == stuck.statements.renew:
+                held.set()
+                go_on.wait(60)
+            return cursor
+
+        stuck.execute = held_after_the_renewal  # type: ignore[method-assign]
+
+        def look() -> None:
+            try:
+                stuck.run("jobs", "stuck", 1.0, 86400.0, Batch(renew=True))
+            except BaseException as exc:  # noqa: BLE001 (checked below)
+                failed.append(exc)
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        assert held.wait(10)
+        # The rows are locked by the held transaction until the server ends it.
+        deadline = time.monotonic() + 20
+        taken: set[int] = set()
+        while len(taken) < 5:
+            assert time.monotonic() < deadline, f"rescued only {taken} of {mine}"
+            result = rescuer.run("jobs", "rescuer", 30.0, 86400.0, Batch(claim=5, renew=True))
+            taken |= {row[0] for row in result.claimed if row[7] == "lease_lapsed"}
+            time.sleep(0.1)
+        assert taken == mine
+        assert "waited on its client in a batch's transaction" in caplog.text
+        go_on.set()
+        thread.join(10)
+        assert failed  # its session was ended: the batch failed, and nothing of it counted
+    finally:
+        go_on.set()
+        stuck.close()
+        rescuer.close()
+    assert {state for state, _, _ in rows(store).values()} == {"running"}
+    counts = statistics(store)
+    assert (counts["rescued_owner_died"], counts["rescued_lease_lapsed"]) == (0, 5)
 
 
 def check_rescues_counted(store: Any) -> None:

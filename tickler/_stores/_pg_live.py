@@ -15,22 +15,55 @@ nothing). If the connection was lost and the server did not restart, the lock wa
 lost while this process lives (its backend was terminated, say): the session says so,
 and its service takes a new owner id. If the server restarted, the lock is taken again
 for the same owner.
+
+A process stopped (or cut off) in the middle of a batch keeps its lock, and its batch's
+transaction keeps the row locks it took, which every claim skips: no lease could rescue
+those rows, and the server never ends such a session by itself (mid-pipeline, it is not
+idle in its transaction). So each batch's transaction takes, first, a shared advisory
+lock that names its lease (BATCH_LOCK, the lease in milliseconds as the second key);
+the ping of every replica ends the session of a batch that has waited on its client
+while its transaction outlived that lease. By then the stuck owner's leases have lapsed
+(its last renewal committed before that transaction began), so ending it takes nothing
+that a claim could not take; its late results are fenced like any other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import StoreError
 
+logger = logging.getLogger("tickler")
+
 if TYPE_CHECKING:
     import psycopg
 
 # The advisory lock key of an owner, as SQL of the owner's column or parameter.
 LOCK_KEY = "hashtextextended('tickler:owner:' || {owner}, 0)"
+
+# The first key of the shared advisory lock each batch's transaction takes first
+# (pg_advisory_xact_lock_shared(BATCH_LOCK, lease in ms)), b"tick" as an int4.
+BATCH_LOCK = 0x7469636B
+
+# A session's batch whose transaction outlived its lease while it waited on its client:
+# the pids of the sessions ended. Only where this role may end them (its own role's, or
+# any with pg_signal_backend; a superuser's only by a superuser).
+_END_STUCK = f"""
+SELECT l.pid, pg_terminate_backend(l.pid) AS ended
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.classid = {BATCH_LOCK} AND l.objsubid = 2
+    AND l.granted AND l.pid <> pg_backend_pid()
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND a.wait_event = 'ClientRead'
+    AND a.xact_start < clock_timestamp() - l.objid::int8 * interval '1 millisecond'
+    AND (pg_has_role(a.usesysid, 'USAGE') OR pg_has_role('pg_signal_backend', 'USAGE'))
+    AND (NOT (SELECT rolsuper FROM pg_roles WHERE oid = a.usesysid)
+        OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user))
+"""  # noqa: S608 (constants only)
 
 # How long a session tries to take its lock (a replica's batch holds it for an instant
 # while it asks whether the owner is alive).
@@ -56,9 +89,11 @@ class Liveness:
             " SELECT ok, extract(epoch FROM pg_postmaster_start_time())::float8,"
             " (SELECT count(*) FROM recorded) FROM locked"
         )
-        # The ping: the records of owners whose lock is free and that run nothing go.
+        # The ping: the sessions of stuck batches end (see _END_STUCK), and the records
+        # of owners whose lock is free and that run nothing go; the pids ended.
         self.ping = (
-            f"DELETE FROM {owners} AS o WHERE o.owner <> %s"  # noqa: S608 (a checked identifier)
+            f"WITH stuck AS ({_END_STUCK}),"  # noqa: S608 (a checked identifier)
+            f" gone AS (DELETE FROM {owners} AS o WHERE o.owner <> %s"
             f" AND NOT EXISTS (SELECT 1 FROM {requests} AS r"
             " WHERE r.state = 'running' AND r.owner = o.owner)"
             # An owner that has not taken its lock since a restart may be taking it again:
@@ -66,7 +101,8 @@ class Liveness:
             " AND CASE WHEN o.locked_at > extract(epoch FROM pg_postmaster_start_time())"
             " OR now() - pg_postmaster_start_time() > interval '1 hour'"
             f" THEN pg_try_advisory_xact_lock({LOCK_KEY.format(owner='o.owner')})"
-            " ELSE FALSE END"
+            " ELSE FALSE END RETURNING 1)"
+            " SELECT (SELECT array_agg(pid) FROM stuck WHERE ended), (SELECT count(*) FROM gone)"
         )
         self.unregister = (
             f"DELETE FROM {owners} AS o WHERE o.owner = %s"  # noqa: S608 (a checked identifier)
@@ -97,11 +133,18 @@ class Liveness:
             if not check:
                 return False
             try:
-                held.execute(self.ping, (owner,))
+                row = held.execute(self.ping, (owner,)).fetchone()
             except psycopg.OperationalError:
                 if not (held.closed or held.broken):
                     raise
             else:
+                if row is not None and row[0]:
+                    logger.warning(
+                        "ended the PostgreSQL sessions %s: each waited on its client in a"
+                        " batch's transaction for longer than its lease (a stuck or cut-off"
+                        " process), holding rows no claim could take",
+                        ", ".join(map(str, sorted(row[0]))),
+                    )
                 return False
             self.db = None
             with contextlib.suppress(Exception):

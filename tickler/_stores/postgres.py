@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -22,7 +23,7 @@ from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
 from ._admin import Admin
 from ._pg_listen import Listener
-from ._pg_live import LOCK_KEY, Liveness
+from ._pg_live import BATCH_LOCK, LOCK_KEY, Liveness
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
@@ -540,6 +541,9 @@ RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at, t.priorit
 SELECT * FROM claimed
 """  # noqa: S608 (constants only)
 
+# The first statement of a batch's transaction (see _pg_live.BATCH_LOCK).
+_BATCH_LOCK = f"SELECT pg_advisory_xact_lock_shared({BATCH_LOCK}, %s)"
+
 # The leases of the queue's running rows whose owner's liveness lock is free lapse at
 # once (see _pg_live): the owners that took their lock since the server started, but
 # this one, whose lock this transaction can take; as many rows as the claim that follows
@@ -1029,6 +1033,7 @@ class PostgresSession:
         self.limited_memo: dict[str, LimitedMemo] = {}
         self.db = self._open()
         self._pipeline: psycopg.Pipeline | None = None
+        self._lease_ms: int | None = None  # a batch's lease, while it runs (see begin())
         self.liveness = Liveness(self._open_liveness, store.schema)
         try:
             self.liveness.open()
@@ -1084,12 +1089,13 @@ class PostgresSession:
         try:
             with self.db.pipeline() as pipeline:
                 self._pipeline = pipeline
+                self._lease_ms = min(max(math.ceil(lease * 1000), 1), 2**31 - 1)
                 try:
                     result = run_batch(self, queue, owner, lease, retention, batch)
                     result.lost = lost
                     return result
                 finally:
-                    self._pipeline = None
+                    self._pipeline, self._lease_ms = None, None
         except BaseException:
             # The session's state after an error in pipeline mode is not
             # certain (the transaction, the prepared statements psycopg
@@ -1145,8 +1151,14 @@ class PostgresSession:
         return self.db.execute(sql, params)
 
     def begin(self) -> None:
+        """BEGIN; in a batch, then the lock that names its lease (see _pg_live.BATCH_LOCK):
+        another replica ends this session if it waits on this process, in this
+        transaction, for longer than the lease."""
         self._reconnect_if_broken()  # the server went away, and the loop retries
         self.db.execute("BEGIN")
+        if self._lease_ms is not None:
+            # Sent with the next statement whose answer is read (serves: pg drain).
+            self.db.execute(_BATCH_LOCK, (self._lease_ms,))
 
     def commit(self) -> None:
         self.db.execute("COMMIT")
