@@ -130,12 +130,14 @@ def stop_outside_a_transaction(process: subprocess.Popen[bytes], store: Any) -> 
         probe = sqlite3.connect(store.path, isolation_level=None, timeout=0.5)
         try:
             probe.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            locked = str(exc)
+        else:
             probe.execute("ROLLBACK")
             return
-        except sqlite3.OperationalError as exc:
-            assert "locked" in str(exc), exc
         finally:
             probe.close()
+        assert "locked" in locked, locked
         process.send_signal(signal.SIGCONT)
         time.sleep(0.05)
 
@@ -446,7 +448,7 @@ def test_a_batch_stopped_mid_transaction_is_ended_once_it_outlives_its_lease(
         def look() -> None:
             try:
                 stuck.run("jobs", "stuck", 1.0, 86400.0, Batch(renew=True))
-            except BaseException as exc:  # noqa: BLE001 (checked below)
+            except BaseException as exc:  # checked below
                 failed.append(exc)
 
         thread = threading.Thread(target=look)
