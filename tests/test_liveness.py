@@ -476,6 +476,38 @@ def test_a_batch_stopped_mid_transaction_is_ended_once_it_outlives_its_lease(
     assert (counts["rescued_owner_died"], counts["rescued_lease_lapsed"]) == (0, 5)
 
 
+def test_a_stuck_batch_is_ended_only_by_a_role_allowed_to(postgres_dsn: str) -> None:
+    """The rule that ends a stuck batch's session asks first whether this role may: a
+    role that may not (another role's session, a superuser's) ends nothing and gets no
+    error, which would fail its looks."""
+    import uuid
+
+    import psycopg
+
+    from tickler._stores._pg_live import _END_STUCK, BATCH_LOCK
+
+    role = f"tickler_probe_{uuid.uuid4().hex[:8]}"
+    with (
+        psycopg.connect(postgres_dsn, autocommit=True) as stuck,
+        psycopg.connect(postgres_dsn, autocommit=True) as other,
+    ):
+        stuck.execute("BEGIN")
+        stuck.execute("SELECT pg_advisory_xact_lock_shared(%s, 1)", (BATCH_LOCK,))
+        pid = stuck.info.backend_pid
+        time.sleep(0.05)  # its transaction outlives its lease of 1 ms, waiting on us
+        other.execute(f"CREATE ROLE {role} NOLOGIN")
+        try:
+            other.execute(f"SET ROLE {role}")
+            assert other.execute(_END_STUCK).fetchall() == []  # not allowed: left alone
+            other.execute("RESET ROLE")
+            assert other.execute(_END_STUCK).fetchall() == [(pid, True)]
+        finally:
+            other.execute("RESET ROLE")
+            other.execute(f"DROP ROLE {role}")
+        with pytest.raises(psycopg.OperationalError):
+            stuck.execute("SELECT 1")
+
+
 def check_rescues_counted(store: Any) -> None:
     """A store migrated from the version before rescues: a dead owner's row is rescued and
     counted, with its reason in the row."""
