@@ -209,6 +209,42 @@ async def test_burst_of_enqueues_wakes_the_loop_once() -> None:
         await service.stop()
 
 
+async def test_the_peak_counts_requests_ranked_by_priority(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """peak_queued is the most ever queued, also when they waited ranked by priority and
+    were all gone before statistics() was read."""
+    async with tickler.open_service(Recorder(), capacity=6) as service:
+        for i in range(6):  # all six before the loop runs
+            service.enqueue_request(i, priority=1)
+        await service.stop()
+    stats = service.statistics()
+    assert (stats.queued, stats.succeeded) == (0, 6)
+    assert stats.peak_queued == 6
+
+
+async def test_the_peak_counts_requests_held_for_their_group(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Requests held for their group's limit are queued too: the peak counts them."""
+    gate = trio.Event()
+    async with tickler.open_service(
+        Recorder(gate=gate), capacity=2, limits=tickler.Limit(concurrency=1)
+    ) as service:
+        for i in range(3):
+            service.enqueue_request(i, group="g")
+        await trio.testing.wait_all_tasks_blocked()  # one runs, two are held
+        for i in range(4):
+            service.enqueue_request(10 + i)  # the first takes the free slot
+        await trio.testing.wait_all_tasks_blocked()
+        assert (service.statistics().queued, service.statistics().in_flight) == (5, 2)
+        gate.set()
+        await service.stop()
+    stats = service.statistics()
+    assert (stats.queued, stats.succeeded) == (0, 7)
+    assert stats.peak_queued == 6  # four plain and two held, just before that take
+
+
 async def test_statistics_are_frozen_and_consistent() -> None:
     """statistics() is a frozen value satisfying the counter identity."""
     recorder = Recorder(gate=trio.Event())

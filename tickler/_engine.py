@@ -646,6 +646,8 @@ class _Engine(Generic[RequestT, ResultT]):
                     # Between pops the queue only grows, so its peak is reached
                     # just before a pop: recording it here keeps enqueue lean.
                     length = len(queue)
+                    if groups is not None:  # those held for their group wait too
+                        length += self._intake.ranked
                     if length > self._peak:
                         self._peak = length
                     ticket = queue.popleft()
@@ -686,6 +688,10 @@ class _Engine(Generic[RequestT, ResultT]):
         groups = self._groups
         while True:
             with self._lock:
+                # The waiting only grow between takes: their peak is just before one.
+                waiting = len(queue) + self._intake.ranked
+                if waiting > self._peak:
+                    self._peak = waiting
                 first = ready[0] if ready else None
                 if queue and (first is None or (0, queue[0].enqueued_at, queue[0].id) < first[:3]):
                     ticket = queue.popleft()
