@@ -7,9 +7,9 @@
 DB is a SQLite file, or a postgresql:// DSN (then --schema names the schema).
 It runs the queue "jobs" with ``limits=tickler.Limit(C, R, W)`` (every
 group's limit, "*") until the file STOP exists, appending lines to LOG, which
-every worker shares. Each line is ``PID KIND ... TIME`` (TIME is time.time()
-when it was logged) and reaches the file with one write before the worker
-goes on, so a SIGKILL loses none:
+every worker shares (tests/worker_plumbing.py). Each line is ``PID KIND ...
+TIME`` (TIME is time.time() when it was logged) and reaches the file with one
+write before the worker goes on, so a SIGKILL loses none:
 
 - ``owner OWNER TIME``: the store's name for this worker's leases;
 - ``ready TIME``: the service runs;
@@ -22,25 +22,14 @@ goes on, so a SIGKILL loses none:
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from pathlib import Path
-from typing import Any
 
 import trio
 
 import tickler
 from tickler._stores._sync import StoreSync
 
-
-class Log:
-    """The shared log, opened for appending: one write() per line, flushed at once."""
-
-    def __init__(self, path: Path) -> None:
-        self.file = path.open("a", buffering=1)  # line-buffered: each line is written whole
-
-    def __call__(self, *fields: Any) -> None:
-        self.file.write(" ".join(map(str, (os.getpid(), *fields, repr(time.time())))) + "\n")
+from .worker_plumbing import Log, arguments, open_store
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -54,12 +43,7 @@ async def main(args: argparse.Namespace) -> None:
         log("end", ticket.id, request)
         return request
 
-    store: tickler.SqliteStore | tickler.PostgresStore
-    options = {"lease": args.lease, "poll_interval": args.poll_interval}
-    if args.db.startswith("postgresql://"):
-        store = tickler.PostgresStore(args.db, schema=args.schema, **options)
-    else:
-        store = tickler.SqliteStore(args.db, **options)
+    store = open_store(args)
     limits = tickler.Limit(concurrency=args.concurrency, rate=args.rate, per=args.per)
     async with tickler.open_service(
         handler, store=store, name="jobs", capacity=args.capacity, limits=limits
@@ -75,15 +59,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("db")
-    parser.add_argument("log")
-    parser.add_argument("stop")
-    parser.add_argument("--schema", default="tickler", help="with a postgresql:// DB")
-    parser.add_argument("--lease", type=float, default=2.0)
-    parser.add_argument("--poll-interval", type=float, default=0.1)
-    parser.add_argument("--capacity", type=int, default=64)
-    parser.add_argument("--sleep", type=float, default=0.02)
+    parser = arguments(capacity=64, sleep=0.02)
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--rate", type=int, default=None)
     parser.add_argument("--per", type=float, default=1.0)

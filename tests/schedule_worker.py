@@ -5,9 +5,9 @@
 
 DB is a SQLite file, or a postgresql:// DSN (then --schema names the schema).
 It runs the queue "jobs" until the file STOP exists, appending lines to LOG,
-which every worker shares. Each line is ``PID KIND ... TIME`` (TIME is
-time.time() when it was logged) and reaches the file with one write before
-the worker goes on, so a SIGKILL loses none:
+which every worker shares (tests/worker_plumbing.py). Each line is ``PID KIND
+... TIME`` (TIME is time.time() when it was logged) and reaches the file with
+one write before the worker goes on, so a SIGKILL loses none:
 
 - ``ready TIME``: the service runs (its periodic ticks are scheduled);
 - ``start ID REQUEST TIME`` and ``end ID REQUEST TIME``: an attempt of the
@@ -36,15 +36,7 @@ import trio
 
 import tickler
 
-
-class Log:
-    """The shared log, opened for appending: one write() per line, flushed at once."""
-
-    def __init__(self, path: Path) -> None:
-        self.file = path.open("a", buffering=1)  # line-buffered: each line is written whole
-
-    def __call__(self, *fields: Any) -> None:
-        self.file.write(" ".join(map(str, (os.getpid(), *fields, repr(time.time())))) + "\n")
+from .worker_plumbing import Log, arguments, open_store
 
 
 async def watch_paused(service: tickler.Service[Any, Any], log: Log) -> None:
@@ -81,12 +73,7 @@ async def main(args: argparse.Namespace) -> None:
         log("end", ticket.id, request)
         return request
 
-    store: tickler.SqliteStore | tickler.PostgresStore
-    options = {"lease": args.lease, "poll_interval": args.poll_interval}
-    if args.db.startswith("postgresql://"):
-        store = tickler.PostgresStore(args.db, schema=args.schema, **options)
-    else:
-        store = tickler.SqliteStore(args.db, **options)
+    store = open_store(args)
     periodic = [] if args.every is None else [tickler.Periodic("beat", "beat", every=args.every)]
     async with tickler.open_service(
         handler, store=store, name="jobs", capacity=args.capacity, periodic=periodic
@@ -108,15 +95,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("db")
-    parser.add_argument("log")
-    parser.add_argument("stop")
-    parser.add_argument("--schema", default="tickler", help="with a postgresql:// DB")
-    parser.add_argument("--lease", type=float, default=2.0)
-    parser.add_argument("--poll-interval", type=float, default=0.1)
-    parser.add_argument("--capacity", type=int, default=4)
-    parser.add_argument("--sleep", type=float, default=0.0)
+    parser = arguments(capacity=4, sleep=0.0)
     parser.add_argument("--every", type=float, default=None)
     parser.add_argument("--feed", type=float, default=None, help="seconds between enqueues")
     parser.add_argument("--join", action="store_true")

@@ -2,26 +2,139 @@
 
 Worker processes (tests/store_worker.py) write a line per attempt start and
 end to a shared log; the checks of killed runs read it, with the states the
-store holds.
+store holds. The process tests of limits and scheduling run their replicas
+through a Place, on each store of BACKENDS.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
+import attrs
 import pytest
 
 import tickler
 from tickler._stores._sync import StoreSync
 
+from .store_backends import Backend, PostgresBackend, SqliteBackend
+
 ROOT = Path(__file__).parent.parent
+
+# Each store, and how many replicas share its queue.
+BACKENDS: dict[str, tuple[Callable[[pytest.FixtureRequest, Path], Backend], int]] = {
+    "sqlite": (SqliteBackend.for_test, 2),
+    "postgres": (PostgresBackend.for_test, 3),
+}
+
+
+@attrs.frozen
+class Line:
+    """A line of the shared log: ``PID KIND ... TIME``."""
+
+    pid: int
+    kind: str
+    fields: tuple[str, ...]
+    at: float
+
+    @classmethod
+    def parse(cls, text: str) -> Line:
+        pid, kind, *fields, at = text.split()
+        return cls(int(pid), kind, tuple(fields), float(at))
+
+    @property
+    def id(self) -> int:
+        """The request's id, on an attempt's start or end."""
+        return int(self.fields[0])
+
+
+@attrs.define
+class Place:
+    """A store location, its replicas' number, and the files its workers share.
+
+    A subclass names its workers' module (run as ``python -m WORKER DB LOG
+    STOP ...``), and the lease and poll_interval they run with.
+    """
+
+    worker: ClassVar[str]
+    lease: ClassVar[float]
+    poll_interval: ClassVar[float]
+
+    backend: Backend
+    replicas: int
+    log: Path
+    stop: Path
+    processes: list[subprocess.Popen[bytes]] = attrs.Factory(list)
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Self]:
+        """A place on the store of BACKENDS ``request.param`` names, its schema created.
+
+        At the end, every worker still running is killed (SIGKILL).
+        """
+        make, replicas = BACKENDS[request.param]
+        backend = make(request, tmp_path)
+        backend.store().create_schema()  # before the replicas race to
+        place = cls(backend, replicas, tmp_path / "log", tmp_path / "stop")
+        try:
+            yield place
+        finally:
+            for process in place.processes:
+                if process.poll() is None:
+                    os.kill(process.pid, signal.SIGKILL)
+                    process.wait()
+
+    def launch(self, *options: str) -> subprocess.Popen[bytes]:
+        """A worker on the store, logging to the shared log."""
+        db, *rest = self.backend.worker_args()
+        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            [
+                sys.executable,
+                "-m",
+                self.worker,
+                db,
+                str(self.log),
+                str(self.stop),
+                *rest,
+                "--lease",
+                str(self.lease),
+                "--poll-interval",
+                str(self.poll_interval),
+                *options,
+            ],
+            cwd=ROOT,
+        )
+        self.processes.append(process)
+        return process
+
+    def lines(self) -> list[Line]:
+        if not self.log.exists():
+            return []
+        return [Line.parse(text) for text in self.log.read_text().splitlines()]
+
+    def wait_ready(self, count: int | None = None, *, killed: bool = False) -> list[Line]:
+        """Wait until ``count`` workers (by default, every one launched) have logged ready.
+
+        Every worker must still run; with ``killed``, one may have been killed (SIGKILL).
+        """
+        count = len(self.processes) if count is None else count
+        alive = (None, -signal.SIGKILL) if killed else (None,)
+        deadline = time.monotonic() + 60
+        while len(ready := [line for line in self.lines() if line.kind == "ready"]) < count:
+            assert time.monotonic() < deadline, "the workers did not start"
+            assert all(process.poll() in alive for process in self.processes), "a worker died"
+            time.sleep(0.02)
+        return ready
 
 
 def worker(db: Sequence[str], log: Path, *options: str) -> subprocess.Popen[bytes]:

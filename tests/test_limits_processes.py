@@ -21,7 +21,7 @@ From the log (each attempt's start and end, time.time()) and the store's rows:
   cut ran again, and only the rows the victim held were claimed twice.
 
 PostgreSQL runs three replicas, a SQLite file two (BACKENDS of
-tests/test_scheduling_processes.py).
+tests/store_runs.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,9 +40,9 @@ from typing import Any
 import attrs
 import pytest
 
+from . import store_runs
 from .store_backends import Backend
-from .store_runs import ROOT
-from .test_scheduling_processes import BACKENDS
+from .store_runs import BACKENDS, Line
 
 LEASE = 5.0
 # How soon after the kill a cut attempt runs again: the others' next claim finds the
@@ -76,29 +75,10 @@ UP_FRONT = 40  # ungrouped requests enqueued with the groups' ("plain/N")
 assert GROUPED == 1000
 
 
-@attrs.frozen
-class Line:
-    """A line of the shared log: ``PID KIND ... TIME``."""
-
-    pid: int
-    kind: str
-    fields: tuple[str, ...]
-    at: float
-
-    @classmethod
-    def parse(cls, text: str) -> Line:
-        pid, kind, *fields, at = text.split()
-        return cls(int(pid), kind, tuple(fields), float(at))
-
-    @property
-    def id(self) -> int:
-        return int(self.fields[0])
-
-    @property
-    def group(self) -> str | None:
-        """The request's group: its name's prefix (None for plain/ and fed/)."""
-        prefix = self.fields[1].split("/")[0]
-        return None if prefix in ("plain", "fed") else prefix
+def group_of(line: Line) -> str | None:
+    """The group of an attempt's request: its name's prefix (None for plain/ and fed/)."""
+    prefix = line.fields[1].split("/")[0]
+    return None if prefix in ("plain", "fed") else prefix
 
 
 @attrs.frozen
@@ -125,7 +105,7 @@ class Run:
     def attempts(self) -> list[Attempt]:
         ends = {(line.pid, line.id): line.at for line in self.lines if line.kind == "end"}
         return [
-            Attempt(line.pid, line.id, line.group, line.at, ends.get((line.pid, line.id)))
+            Attempt(line.pid, line.id, group_of(line), line.at, ends.get((line.pid, line.id)))
             for line in self.lines
             if line.kind == "start"
         ]
@@ -148,55 +128,15 @@ class Run:
 
 
 @attrs.define
-class Place:
-    """A store location, its replicas' number, and the files its workers share."""
+class Place(store_runs.Place):
+    """The workers of tests/limits_worker.py, each with CAPACITY and a handler of SLEEP."""
 
-    backend: Backend
-    replicas: int
-    log: Path
-    stop: Path
-    processes: list[subprocess.Popen[bytes]] = attrs.Factory(list)
+    worker = "tests.limits_worker"
+    lease = LEASE
+    poll_interval = POLL_INTERVAL
 
     def launch(self, *options: str) -> subprocess.Popen[bytes]:
-        db, *rest = self.backend.worker_args()
-        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            [
-                sys.executable,
-                "-m",
-                "tests.limits_worker",
-                db,
-                str(self.log),
-                str(self.stop),
-                *rest,
-                "--lease",
-                str(LEASE),
-                "--poll-interval",
-                str(POLL_INTERVAL),
-                "--capacity",
-                str(CAPACITY),
-                "--sleep",
-                str(SLEEP),
-                *options,
-            ],
-            cwd=ROOT,
-        )
-        self.processes.append(process)
-        return process
-
-    def lines(self) -> list[Line]:
-        if not self.log.exists():
-            return []
-        return [Line.parse(text) for text in self.log.read_text().splitlines()]
-
-    def wait_ready(self) -> list[Line]:
-        deadline = time.monotonic() + 60
-        while len(ready := [line for line in self.lines() if line.kind == "ready"]) < len(
-            self.processes
-        ):
-            assert time.monotonic() < deadline, "the workers did not start"
-            assert all(process.poll() is None for process in self.processes), "a worker died"
-            time.sleep(0.02)
-        return ready
+        return super().launch("--capacity", str(CAPACITY), "--sleep", str(SLEEP), *options)
 
     def unfinished(self) -> int:
         return len(self.backend.select("id", "queue = 'jobs' AND state <> 'succeeded'"))
@@ -213,20 +153,11 @@ class Place:
 
 @pytest.fixture(params=list(BACKENDS))
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Place]:
-    make, replicas = BACKENDS[request.param]
-    backend = make(request, tmp_path)
-    store = backend.store()
-    if not (hasattr(store, "enqueue_many_in") and hasattr(store, "enqueue_in")):
-        pytest.skip("the store takes no requests through the caller's connection")
-    store.create_schema()  # before the replicas race to
-    place = Place(backend, replicas, tmp_path / "log", tmp_path / "stop")
-    try:
+    with Place.open(request, tmp_path) as place:
+        store = place.backend.store()
+        if not (hasattr(store, "enqueue_many_in") and hasattr(store, "enqueue_in")):
+            pytest.skip("the store takes no requests through the caller's connection")
         yield place
-    finally:
-        for process in place.processes:
-            if process.poll() is None:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 def enqueue_up_front(backend: Backend) -> None:
@@ -264,7 +195,9 @@ def catch_mid_attempt(place: Place) -> tuple[subprocess.Popen[bytes], str]:
         running = collections.Counter(
             line.pid
             for line in tail
-            if line.kind == "start" and line.group is not None and (line.pid, line.id) not in ends
+            if line.kind == "start"
+            and group_of(line) is not None
+            and (line.pid, line.id) not in ends
         )
         candidates = [p for p in place.processes if running[p.pid] and p.poll() is None]
         if candidates:

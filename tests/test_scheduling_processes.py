@@ -12,7 +12,8 @@ Two promises are checked from outside, on each store of BACKENDS:
   enqueueing goes on, and ``resume`` lets the work go on.
 
 Each store's Backend (tests/store_backends.py) gives its location and the
-workers' arguments; PostgreSQL runs three replicas, a SQLite file two.
+workers' arguments; PostgreSQL runs three replicas, a SQLite file two
+(BACKENDS of tests/store_runs.py).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
 
-from .store_backends import Backend, PostgresBackend, SqliteBackend
-from .store_runs import ROOT
+from . import store_runs
+from .store_runs import BACKENDS, ROOT
 
 LEASE = 2.0
 POLL_INTERVAL = 0.1
@@ -40,45 +41,14 @@ POLL_INTERVAL = 0.1
 # one has been seen to take a second).
 PAUSE_MARGIN = 0.25
 
-# Each store, and how many replicas share its queue.
-BACKENDS: dict[str, tuple[Callable[[pytest.FixtureRequest, Path], Backend], int]] = {
-    "sqlite": (SqliteBackend.for_test, 2),
-    "postgres": (PostgresBackend.for_test, 3),
-}
-
 
 @attrs.define
-class Place:
-    """A store location, its replicas' number, and the files its workers share."""
+class Place(store_runs.Place):
+    """The workers of tests/schedule_worker.py; and the command line's pause and resume."""
 
-    backend: Backend
-    replicas: int
-    log: Path
-    stop: Path
-    processes: list[subprocess.Popen[bytes]] = attrs.Factory(list)
-
-    def launch(self, *options: str) -> subprocess.Popen[bytes]:
-        """A worker on the store (tests/schedule_worker.py), logging to the shared log."""
-        db, *rest = self.backend.worker_args()
-        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            [
-                sys.executable,
-                "-m",
-                "tests.schedule_worker",
-                db,
-                str(self.log),
-                str(self.stop),
-                *rest,
-                "--lease",
-                str(LEASE),
-                "--poll-interval",
-                str(POLL_INTERVAL),
-                *options,
-            ],
-            cwd=ROOT,
-        )
-        self.processes.append(process)
-        return process
+    worker = "tests.schedule_worker"
+    lease = LEASE
+    poll_interval = POLL_INTERVAL
 
     def cli(self, command: str) -> float:
         """Run ``python -m tickler COMMAND URL jobs``: the time.time() its flag was committed by.
@@ -113,21 +83,6 @@ class Place:
         assert stdout.startswith(f"{command}d queue 'jobs' of "), stdout
         return committed
 
-    def lines(self) -> list[Line]:
-        if not self.log.exists():
-            return []
-        return [Line.parse(text) for text in self.log.read_text().splitlines()]
-
-    def wait_ready(self, count: int) -> list[Line]:
-        """Wait until ``count`` workers have logged ready (each still running)."""
-        deadline = time.monotonic() + 60
-        while len(ready := [line for line in self.lines() if line.kind == "ready"]) < count:
-            assert time.monotonic() < deadline, "the workers did not start"
-            for process in self.processes:
-                assert process.poll() in (None, -signal.SIGKILL), "a worker died"
-            time.sleep(0.02)
-        return ready
-
     def stop_all(self) -> float:
         """Write STOP; wait until every live worker exited cleanly. The time STOP was written."""
         written = time.time()
@@ -149,34 +104,10 @@ class Place:
         return len(self.backend.select("id", f"queue = 'jobs' AND state = '{state}'"))
 
 
-@attrs.frozen
-class Line:
-    """A line of the shared log: ``PID KIND ... TIME``."""
-
-    pid: int
-    kind: str
-    fields: tuple[str, ...]
-    at: float
-
-    @classmethod
-    def parse(cls, text: str) -> Line:
-        pid, kind, *fields, at = text.split()
-        return cls(int(pid), kind, tuple(fields), float(at))
-
-
 @pytest.fixture(params=list(BACKENDS))
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Place]:
-    make, replicas = BACKENDS[request.param]
-    backend = make(request, tmp_path)
-    backend.store().create_schema()  # before the replicas race to
-    place = Place(backend, replicas, tmp_path / "log", tmp_path / "stop")
-    try:
+    with Place.open(request, tmp_path) as place:
         yield place
-    finally:
-        for process in place.processes:
-            if process.poll() is None:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 def sleep_until(at: float) -> None:
@@ -199,7 +130,7 @@ def test_each_tick_runs_once_across_replicas_through_a_kill(place: Place) -> Non
     launched = time.time()
     for _ in range(place.replicas):
         place.launch(*options)
-    ready = place.wait_ready(place.replicas)
+    ready = place.wait_ready(place.replicas, killed=True)
     first_ready = min(line.at for line in ready)
     began = max(line.at for line in ready)
 
@@ -226,7 +157,7 @@ def test_each_tick_runs_once_across_replicas_through_a_kill(place: Place) -> Non
     assert victim.wait(timeout=10) == -signal.SIGKILL
     sleep_until(killed_at + 2)
     place.launch(*options)
-    place.wait_ready(place.replicas + 1)
+    place.wait_ready(place.replicas + 1, killed=True)
     sleep_until(began + 18)
     stopped = place.stop_all()
 
@@ -286,7 +217,7 @@ def test_a_pause_from_the_cli_stops_every_replica_within_a_poll_interval(place: 
     """
     for _ in range(place.replicas):
         place.launch("--feed", "0.02", "--sleep", "0.05", "--capacity", "4", "--join")
-    ready = place.wait_ready(place.replicas)
+    ready = place.wait_ready(place.replicas, killed=True)
     pids = {line.pid for line in ready}
     began = max(line.at for line in ready)
     sleep_until(began + 1.5)
