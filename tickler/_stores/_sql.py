@@ -260,10 +260,11 @@ class Dialect(Protocol):
 
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
+    ) -> Callable[[], list[str | None]]:
         """Each outcome (see run_batch) only while the row is running under owner's lease and
         at the outcome's attempt (its last value; None: any), checked in the statement that
-        writes it: the state it wrote, or None where the row was no longer so."""
+        writes it: the state it wrote, or None where the row was no longer so; read by
+        calling (as the claim's rows are read, see reads_after_commit)."""
         ...
 
     def mark_dead(self, queue: str, owner: str, now: float, limit: int) -> None:
@@ -396,7 +397,7 @@ def run_batch(
             d.lock_limited(queue)
         now, shift = d.now()
         result.now, result.shift = now, shift
-        _write(d, queue, owner, now, shift, batch, result)
+        applied = _write(d, queue, owner, now, shift, batch, result)
         if batch.claim or batch.renew:
             x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.renew:
@@ -410,6 +411,7 @@ def run_batch(
         due_and_live = d.due_and_live(queue)
 
         def read() -> None:
+            result.applied = applied()
             if claimed is not None:
                 rows = claimed()
                 rows.sort(key=_claim_order)
@@ -444,9 +446,10 @@ def run_batch(
 
 def _write(
     d: Dialect, queue: str, owner: str, now: float, shift: float, batch: Batch, result: BatchResult
-) -> None:
+) -> Callable[[], list[str | None]]:
     """The batch's writes before its claim: its inserts (and their trace context), its
-    ticks, the attempts started and the outcomes (see run_batch)."""
+    ticks, the attempts started and the outcomes (see run_batch); what the outcomes
+    applied is read by calling."""
     inserts, outcomes = batch.inserts, batch.outcomes
     if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
         outcomes = [_with_attempt(outcome) for outcome in outcomes]
@@ -466,7 +469,7 @@ def _write(
         result.ticked = _tick(d, queue, batch.ticks, now)
     if batch.started:
         d.mark_started(owner, batch.started, now)
-    result.applied = d.write_outcomes(owner, outcomes, now)
+    return d.write_outcomes(owner, outcomes, now)
 
 
 def _claim(

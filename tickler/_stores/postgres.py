@@ -1203,16 +1203,27 @@ class PostgresSession:
 
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
-        """One UPDATE per kind: its values as arrays, one per column, joined by unnest()."""
+    ) -> Callable[[], list[str | None]]:
+        """One UPDATE per kind: its values as arrays, one per column, joined by unnest().
+
+        Their answers are read once the batch has committed: the statements after them go
+        out in the same round trip (serves: pg drain, grouped, whose claim reads next).
+        """
         by_kind: dict[str, list[tuple[Any, ...]]] = {}
         for kind, request_id, values in outcomes:
             by_kind.setdefault(kind, []).append((request_id, *values, now))
-        applied: dict[int, str] = {}
+        cursors = []
         for kind, rows in by_kind.items():
             arrays = [list(column) for column in zip(*rows, strict=True)]
-            applied.update(self.db.execute(_outcome_sql(kind), [*arrays, owner]).fetchall())
-        return [applied.get(request_id) for _, request_id, _ in outcomes]
+            cursors.append(self.db.execute(_outcome_sql(kind), [*arrays, owner]))
+
+        def read() -> list[str | None]:
+            applied: dict[int, str] = {}
+            for cursor in cursors:
+                applied.update(cursor.fetchall())
+            return [applied.get(request_id) for _, request_id, _ in outcomes]
+
+        return read
 
     def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
         self.db.execute(_STARTED, (now, list(ids), owner))

@@ -918,7 +918,7 @@ class SqliteSession:
 
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
+    ) -> Callable[[], list[str | None]]:
         """One UPDATE per kind of outcome (and per chunk), joined with its rows as VALUES."""
         x = self.db.execute
         by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
@@ -953,7 +953,8 @@ class SqliteSession:
                         [*params, owner],
                     ).fetchall()
                 )
-        return [applied.get(request_id) for _, request_id, _ in outcomes]
+        written = [applied.get(request_id) for _, request_id, _ in outcomes]
+        return lambda: written
 
     def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
         self.db.execute(_STARTED, (now, json.dumps(list(ids)), owner))
