@@ -344,6 +344,28 @@ class Dialect(Protocol):
         claimed, as Dialect.claim gives them, are read by calling."""
         ...
 
+    claims_by_groups: bool
+    """Whether claim_by_groups() may be called."""
+
+    def claim_by_groups(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        limit: int,
+        limits: Limits,
+        cap: int,
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int]]:
+        """claim_limited's claim group by group in one statement: up to ``limit`` rows, as
+        _walk picks them from every group's first due rows, the due rows of no group and the
+        lapsed leases, each group's room taken from its running rows and its recorded starts
+        at ``now`` (nothing while the queue is paused), a start recorded for each row
+        claimed of a rated group. Read by calling: the rows claimed, as Dialect.claim gives
+        them; how many due ready rows of the groups left at their limit wait, counted no
+        further than ``cap``; those groups; and how many groups have ready rows."""
+        ...
+
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
     ) -> Callable[[], list[tuple[Any, ...]]]:
@@ -1263,7 +1285,9 @@ def claim_limited(
     group is recorded, and starts older than the longest window deleted. The statements
     are asked in as few round trips as their answers allow: a store that pipelines them
     (PostgreSQL) waits for the server once or twice before the claim, which goes with the
-    batch's commit.
+    batch's commit. A store that can (Dialect.claims_by_groups: PostgreSQL) looks group
+    by group, reads, walks and claims in one statement instead, which goes with the
+    batch's commit: the claim then costs no round trip of its own.
     """
     x, sql = d.execute, d.statements
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
@@ -1273,6 +1297,19 @@ def claim_limited(
     size = limit + CHUNK_EXTRA
     seen = memo.groups if memo.groups is not None else size + 1  # groups, at the last claim
     by_groups = seen <= size
+    if by_groups and d.claims_by_groups:
+        # serves: pg drain, grouped: reads, walk and claim in one statement, no round trip
+        # of their own.
+        at_once = d.claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
+
+        def read_at_once() -> tuple[list[Claimed], int]:
+            rows, held, blocked, memo.groups = at_once()
+            if held < LIMITED_EXACT:
+                return rows, held
+            params = {"queue": queue, "groups": d.listed(blocked), "now": now}
+            return rows, _counted(d, queue, params, now)
+
+        return read_at_once
     # The most rows of each group the claim could take, whatever runs: where few, they are
     # asked for with the rest, before the groups' rooms are known.
     most, most_default = _rooms(_Slots(limits, now, {}, {}), limit)
@@ -1369,16 +1406,22 @@ def _limited(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> Callable[
         (count,) = upto.fetchone()
         if count < LIMITED_EXACT:
             return int(count)
-        memo = d.limited_memo.setdefault(queue, LimitedMemo())
-        spacing = max(LIMITED_EVERY, LIMITED_SPACING * memo.took)
-        if memo.counted < LIMITED_EXACT or slots.now - memo.counted_at >= spacing:
-            started = time.perf_counter()
-            (count,) = x(sql.limited_count, params).fetchone()
-            memo.took = time.perf_counter() - started
-            memo.counted, memo.counted_at = int(count), slots.now
-        return memo.counted
+        return _counted(d, queue, params, slots.now)
 
     return read
+
+
+def _counted(d: Dialect, queue: str, params: dict[str, Any], now: float) -> int:
+    """The rows held back past LIMITED_EXACT (``params`` as limited_count takes them): counted
+    in full, or the session's last full count while it is recent (see _limited)."""
+    memo = d.limited_memo.setdefault(queue, LimitedMemo())
+    spacing = max(LIMITED_EVERY, LIMITED_SPACING * memo.took)
+    if memo.counted < LIMITED_EXACT or now - memo.counted_at >= spacing:
+        started = time.perf_counter()
+        (count,) = d.execute(d.statements.limited_count, params).fetchone()
+        memo.took = time.perf_counter() - started
+        memo.counted, memo.counted_at = int(count), now
+    return memo.counted
 
 
 def limited_now(d: Dialect, queue: str) -> int:

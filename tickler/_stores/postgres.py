@@ -13,7 +13,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -468,6 +468,137 @@ WITH claimed AS (
     ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
 )
 SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now FROM claimed
+"""  # noqa: S608 (constants only)
+
+# A limited claim group by group, in one statement (serves: pg drain, grouped): what
+# _sql.claim_limited reads, walks and claims in three statements and a round trip of its
+# own, here asked with the batch's COMMIT. Every group that has ready rows is found one
+# index probe each (as _GROUP_CANDIDATES finds them), with every group of a lapsed lease;
+# each one's room is its limit (its entry of the named limits, else the default, if any)
+# less its running rows whose lease has not run out and its starts within its window; the
+# candidates are each group's first due rows, as many as its room, the due rows of no
+# group and the lapsed leases; of those, in claim order, each group's first as many as its
+# room, and the first `limit` of all (what _sql._walk picks from the same rows). The rows
+# are claimed as _CLAIM_PICKED claims them, a start recorded for each of a rated group.
+# Nothing while the queue is paused. Last comes one row more, its id NULL: how many due
+# ready rows of the groups left at their limit wait (counted no further than cap, the
+# rows just claimed left out), those groups, and how many groups have ready rows.
+_CLAIM_BY_GROUPS = f"""
+WITH RECURSIVE head AS (
+    (SELECT id, priority, run_at, group_name FROM tickler_requests
+     WHERE queue = %(queue)s AND {_READY} AND group_name IS NOT NULL
+     ORDER BY group_name, priority DESC, run_at, id LIMIT 1)
+    UNION ALL
+    SELECT next.* FROM head CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND group_name > head.group_name
+        ORDER BY group_name, priority DESC, run_at, id LIMIT 1
+    ) AS next
+), paused AS (
+    SELECT coalesce((SELECT paused FROM tickler_queues WHERE queue = %(queue)s), FALSE) AS p
+), expired AS (
+    SELECT id, priority, run_at, group_name FROM tickler_requests
+    WHERE queue = %(queue)s AND state = 'running' AND lease_until < %(now)s
+        AND owner <> %(owner)s AND NOT cancel_requested
+    ORDER BY lease_until LIMIT %(limit)s
+), running AS (
+    SELECT group_name, count(*) AS n FROM tickler_requests
+    WHERE queue = %(queue)s AND state = 'running' AND lease_until > %(now)s
+        AND group_name IS NOT NULL
+    GROUP BY group_name
+), limits AS (
+    SELECT g.name, n.name IS NOT NULL OR %(default)s AS limited,
+        CASE WHEN n.name IS NOT NULL THEN n.concurrency ELSE %(concurrency)s::int8 END
+            AS concurrency,
+        CASE WHEN n.name IS NOT NULL THEN n.rate ELSE %(rate)s::int8 END AS rate,
+        CASE WHEN n.name IS NOT NULL THEN n.per ELSE %(per)s::float8 END AS per
+    FROM (SELECT group_name AS name FROM head
+          UNION SELECT group_name FROM expired WHERE group_name IS NOT NULL) AS g
+    LEFT JOIN unnest(%(names)s::text[], %(concurrencies)s::int8[], %(rates)s::int8[],
+        %(pers)s::float8[]) AS n(name, concurrency, rate, per) ON n.name = g.name
+), free AS (
+    SELECT limits.name, limits.rate IS NOT NULL AS rated,
+        limits.limited AND (limits.concurrency IS NOT NULL OR limits.rate IS NOT NULL)
+            AS bounded,
+        CASE WHEN limits.limited THEN greatest(0, least(
+            limits.concurrency - coalesce(running.n, 0), limits.rate - started.n))
+        END AS n
+    FROM limits LEFT JOIN running ON running.group_name = limits.name
+    LEFT JOIN LATERAL (
+        SELECT count(*) AS n FROM tickler_starts
+        WHERE queue = %(queue)s AND group_name = limits.name
+            AND started_at > %(now)s - limits.per AND limits.rate IS NOT NULL
+    ) AS started ON TRUE
+), room AS (
+    SELECT name, rated, bounded, n AS free,
+        CASE WHEN bounded THEN least(n, %(limit)s) ELSE %(limit)s END AS n
+    FROM free
+), candidates AS (
+    SELECT head.* FROM head JOIN room ON room.name = head.group_name
+    WHERE room.n > 0 AND head.run_at <= %(now)s
+    UNION ALL
+    SELECT more.* FROM head JOIN room ON room.name = head.group_name CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND group_name = head.group_name
+            AND run_at <= %(now)s AND id <> head.id
+        ORDER BY priority DESC, run_at, id
+        LIMIT CASE WHEN head.run_at <= %(now)s THEN room.n - 1 ELSE room.n END
+    ) AS more
+    WHERE room.n > 1 OR (room.n = 1 AND head.run_at > %(now)s)
+    UNION ALL
+    (SELECT id, priority, run_at, group_name FROM tickler_requests
+     WHERE queue = %(queue)s AND {_READY} AND group_name IS NULL AND run_at <= %(now)s
+     ORDER BY priority DESC, run_at, id LIMIT %(limit)s)
+    UNION ALL
+    SELECT * FROM expired
+), picked AS (
+    SELECT ranked.id FROM (
+        SELECT candidates.*, row_number() OVER (
+            PARTITION BY group_name ORDER BY priority DESC, run_at, id) AS k
+        FROM candidates
+    ) AS ranked LEFT JOIN room ON room.name = ranked.group_name
+    WHERE (ranked.group_name IS NULL OR ranked.k <= room.n) AND NOT (SELECT p FROM paused)
+    ORDER BY ranked.priority DESC, ranked.run_at, ranked.id LIMIT %(limit)s
+), claimed AS (
+    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
+        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL,
+        {RESCUE_SETS.format(now="%(now)s")}
+    WHERE id = ANY(ARRAY(SELECT id FROM picked)) AND ({_READY}
+        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
+            AND NOT cancel_requested))
+    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name,
+        {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
+), started AS (
+    INSERT INTO tickler_starts (queue, group_name, started_at)
+    SELECT %(queue)s, claimed.group_name, %(now)s
+    FROM claimed JOIN room ON room.name = claimed.group_name
+    WHERE room.rated
+), counted AS (
+    INSERT INTO tickler_rescues (queue, reason, count)
+    SELECT %(queue)s, rescued_now, count(*) FROM claimed
+    WHERE rescued_now IS NOT NULL GROUP BY rescued_now
+    ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
+), taken AS (
+    SELECT group_name, count(*) AS n FROM claimed GROUP BY group_name
+), blocked AS (
+    SELECT room.name FROM room LEFT JOIN taken ON taken.group_name = room.name
+    WHERE room.bounded AND room.free <= coalesce(taken.n, 0) AND NOT (SELECT p FROM paused)
+)
+SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now,
+    NULL::int8, NULL::text[], NULL::int8
+FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (
+    SELECT count(*) FROM (
+        SELECT 1 FROM blocked CROSS JOIN LATERAL (
+            SELECT 1 FROM tickler_requests
+            WHERE queue = %(queue)s AND {_READY} AND group_name = blocked.name
+                AND run_at <= %(now)s AND id NOT IN (SELECT id FROM claimed)
+            LIMIT %(cap)s
+        ) AS c
+        LIMIT %(cap)s
+    ) AS upto
+), ARRAY(SELECT name FROM blocked ORDER BY name), (SELECT count(*) FROM head)
 """  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
@@ -1308,6 +1439,52 @@ class PostgresSession:
             "rated": list(rated),
         }
         return self.db.execute(_CLAIM_PICKED, params).fetchall
+
+    # serves: pg drain, grouped: a limited claim group by group in one statement, which
+    # goes out with the COMMIT (see _CLAIM_BY_GROUPS).
+    claims_by_groups = True
+
+    def claim_by_groups(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        limit: int,
+        limits: Mapping[str, tuple[int | None, int | None, float]],
+        cap: int,
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int]]:
+        named = [(group, limit) for group, limit in limits.items() if group != "*"]
+        default = limits.get("*")
+        params = {
+            "queue": queue,
+            "owner": owner,
+            "lease_until": lease_until,
+            "now": now,
+            "limit": limit,
+            "cap": cap,
+            "names": [group for group, _ in named],
+            "concurrencies": [c for _, (c, _, _) in named],
+            "rates": [r for _, (_, r, _) in named],
+            "pers": [per for _, (_, _, per) in named],
+            "default": default is not None,
+            "concurrency": None if default is None else default[0],
+            "rate": None if default is None else default[1],
+            "per": None if default is None else default[2],
+        }
+        cursor = self.db.execute(_CLAIM_BY_GROUPS, params)
+
+        def read() -> tuple[list[Claimed], int, list[str], int]:
+            rows: list[Claimed] = []
+            held, blocked, groups = 0, [], 0
+            for row in cursor.fetchall():
+                if row[0] is None:
+                    held, blocked, groups = row[8], row[9], row[10]
+                else:
+                    rows.append(row[:8])
+            return rows, int(held), list(blocked), int(groups)
+
+        return read
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int

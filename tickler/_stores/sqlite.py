@@ -14,7 +14,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1061,6 +1061,21 @@ class SqliteSession:
         if started:
             x(_RECORD_STARTS, (queue, now, json.dumps(started)))
         return rows.copy
+
+    # SQLite answers each statement as it is asked: claim_limited reads and walks here.
+    claims_by_groups = False
+
+    def claim_by_groups(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        limit: int,
+        limits: Mapping[str, tuple[int | None, int | None, float]],
+        cap: int,
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int]]:
+        raise NotImplementedError("claims_by_groups is False")
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
