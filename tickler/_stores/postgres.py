@@ -697,27 +697,32 @@ WHERE id IN (
 # found as the claim finds them), whether anything is live, and whether the
 # queue is paused, in one statement, each part on its index: an EXISTS over
 # the ready states may be planned as a sequential scan, which reads every
-# finished row ahead of the first ready one.
+# finished row ahead of the first ready one. Each index probe passes over the
+# entries that rows claimed since the last vacuum left behind, ahead of the
+# first ready row of each priority on tickler_ready, and of the running rows
+# on tickler_running (serves: pg drain, grouped, which asks once a batch of
+# at most one row per group): the probe that finds a priority gives its
+# earliest run_at too (the first of its entries, in run_at order), and a
+# running row is looked for from the latest lease, where the rows that run
+# now have theirs.
 _DUE_AND_LIVE = f"""
 SELECT (
-    WITH RECURSIVE level(p) AS (
-        (SELECT priority FROM tickler_requests
+    WITH RECURSIVE level(p, due) AS (
+        (SELECT priority, run_at FROM tickler_requests
          WHERE queue = %(queue)s AND {_READY}
-         ORDER BY priority DESC LIMIT 1)
+         ORDER BY priority DESC, run_at LIMIT 1)
         UNION ALL
-        SELECT (SELECT priority FROM tickler_requests
-                WHERE queue = %(queue)s AND {_READY} AND priority < level.p
-                ORDER BY priority DESC LIMIT 1)
-        FROM level WHERE level.p IS NOT NULL
+        SELECT next.priority, next.run_at FROM level CROSS JOIN LATERAL (
+            SELECT priority, run_at FROM tickler_requests
+            WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+            ORDER BY priority DESC, run_at LIMIT 1
+        ) AS next
     )
-    SELECT min((SELECT run_at FROM tickler_requests
-                WHERE queue = %(queue)s AND {_READY} AND priority = level.p
-                ORDER BY run_at LIMIT 1))
-    FROM level WHERE level.p IS NOT NULL
+    SELECT min(due) FROM level
 ), (
     SELECT 1 FROM tickler_requests
     WHERE queue = %(queue)s AND state = 'running'
-    ORDER BY lease_until LIMIT 1
+    ORDER BY lease_until DESC LIMIT 1
 ) IS NOT NULL, coalesce((SELECT paused FROM tickler_queues WHERE queue = %(queue)s), FALSE)
 """  # noqa: S608 (constants only)
 
