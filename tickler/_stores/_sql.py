@@ -321,7 +321,8 @@ class Dialect(Protocol):
 
     def lock_limited(self, queue: str) -> None:
         """Hold every other process's limited claim of ``queue`` back until the transaction
-        ends. Taken first in a batch that makes one, before any row is written."""
+        ends. Taken first in a batch that makes one, before any row is written (at the
+        latest by the batch's now(), which comes next)."""
         ...
 
     def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
