@@ -554,7 +554,9 @@ def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
     that the walk over the rows read first takes (claim_limited without it), in the same
     states, and counts as many rows held back: whatever the limits, priorities, due
     times, ungrouped rows, lapsed leases (asked to cancel or not), running rows, recorded
-    starts and claim sizes; and nothing while the queue is paused."""
+    starts and claim sizes; and nothing while the queue is paused. It answers what the
+    batch's due_and_live() answers after the walk's claim (but the next due time where
+    rows are held back, which the loop does not read then)."""
     import psycopg
 
     monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)  # every claim counts in full
@@ -567,7 +569,7 @@ def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
     session, other = store.connect(), store.connect()
     table = f'"{postgres_schema}".tickler_requests'
 
-    def claim(size: int, *, at_once: bool) -> tuple[list[tuple[Any, ...]], int]:
+    def claim(size: int, *, at_once: bool) -> tuple[list[tuple[Any, ...]], int, Any]:
         """The claim, rolled back instead of committed: each way claims from the same rows
         (group by group: its session knew of few groups at its last claim)."""
 
@@ -582,7 +584,11 @@ def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
             session.limited_memo["jobs"] = _sql.LimitedMemo(groups=1)
             result = run(session, Batch(claim=size, limits=limits))
         rows = [(row[0], row[2], row[6], row[7]) for row in result.claimed]
-        return rows, result.limited
+        # What the loop reads of the rest: the next due time only where no row is held back.
+        due = (None if result.limited else result.next_due, result.live, result.paused)
+        if at_once:
+            assert result.next_due is None or not result.limited
+        return rows, result.limited, due
 
     try:
         later = time.time() + 3600
@@ -597,6 +603,13 @@ def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
         ]
         # Groups whose first row in claim order is not due, with due rows behind it.
         inserts += [entry(b"later", group, priority=5, at=later) for group in groups[::3]]
+        # First a few rows, one a group, none held back: the next due time is compared too.
+        few = [entry(b"first", group) for group in groups[:4]] + [entry(b"first")]
+        run(session, Batch(inserts=[*few, entry(b"soon", "g5", at=later - 60)]))
+        walked = claim(300, at_once=False)
+        assert walked[1] == 0
+        assert walked[2][0] == pytest.approx(later - 60, abs=30)  # (the store's clock)
+        assert claim(300, at_once=True) == walked
         run(session, Batch(inserts=inserts))
         compared, held, rescued = 0, 0, 0
         for _ in range(3):
@@ -622,7 +635,10 @@ def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
         assert held > 0
         assert rescued > 0
         run(session, Batch(pause=True))
-        assert claim(300, at_once=True) == claim(300, at_once=False) == ([], 0)
+        paused = claim(300, at_once=False)
+        assert paused[:2] == ([], 0)
+        assert paused[2][1:] == (1, True)
+        assert claim(300, at_once=True) == paused
     finally:
         session.close()
         other.close()

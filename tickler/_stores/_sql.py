@@ -357,14 +357,16 @@ class Dialect(Protocol):
         limit: int,
         limits: Limits,
         cap: int,
-    ) -> Callable[[], tuple[list[Claimed], int, list[str], int]]:
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
         """claim_limited's claim group by group in one statement: up to ``limit`` rows, as
         _walk picks them from every group's first due rows, the due rows of no group and the
         lapsed leases, each group's room taken from its running rows and its recorded starts
         at ``now`` (nothing while the queue is paused), a start recorded for each row
         claimed of a rated group. Read by calling: the rows claimed, as Dialect.claim gives
         them; how many due ready rows of the groups left at their limit wait, counted no
-        further than ``cap``; those groups; and how many groups have ready rows."""
+        further than ``cap``; those groups; how many groups have ready rows; and what
+        due_and_live() answers after the claim, but for the next due time where due rows
+        wait for their group's limit (then None: see BatchResult.next_due)."""
         ...
 
     def group_candidates(
@@ -428,10 +430,11 @@ def run_batch(
             result.mine = {row[0]: bool(row[1]) for row in x(sql.mine, (queue, owner))}
         if batch.pause is not None:
             x(sql.set_paused, (queue, batch.pause))
-        claimed = _claim(d, queue, owner, lease, now, batch, result)
+        claimed, due_and_live_read = _claim(d, queue, owner, lease, now, batch, result)
         # Asked before the claim's rows are read: a server answers both, and
-        # with reads_after_commit the COMMIT, in one round trip.
-        due_and_live = d.due_and_live(queue)
+        # with reads_after_commit the COMMIT, in one round trip. (A limited claim may
+        # answer it itself.)
+        due_and_live = due_and_live_read or d.due_and_live(queue)
 
         def read() -> None:
             result.applied = applied()
@@ -497,8 +500,9 @@ def _write(
 
 def _claim(
     d: Dialect, queue: str, owner: str, lease: float, now: float, batch: Batch, result: BatchResult
-) -> Callable[[], list[Claimed]] | None:
-    """The batch's claim, to read once the batch is sent: plain, or under the limits.
+) -> tuple[Callable[[], list[Claimed]] | None, DueAndLive | None]:
+    """The batch's claim, to read once the batch is sent: plain, or under the limits; and,
+    where the claim answers it, what Dialect.due_and_live answers.
 
     With limits, they are also recorded for the queue, and ``result.limited``
     counts the ready rows they hold back. The leases of as many rows of owners whose
@@ -507,18 +511,19 @@ def _claim(
     if batch.claim:
         d.mark_dead(queue, owner, now, batch.claim)
     if batch.limits is None:
-        return d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
+        plain = d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
+        return plain, None
     limits = normal_limits(batch.limits)
     write_limits(d, queue, limits)
     if not batch.claim:
-        return None
-    read = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
+        return None, None
+    read, due_and_live = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
 
     def rows() -> list[Claimed]:
         claimed, result.limited = read()
         return claimed
 
-    return rows
+    return rows, due_and_live
 
 
 def _write_traces(
@@ -1079,6 +1084,8 @@ def report(
 
 # (concurrency, rate, per) by group name, "*" for the groups not named.
 Limits = Mapping[str, tuple[int | None, int | None, float]]
+# What Dialect.due_and_live answers, read by calling: (next due time, live, paused).
+DueAndLive = Callable[[], tuple[float | None, int, bool]]
 
 # Besides the rows a limited claim asks for, how many more its first look reads in claim
 # order, whatever their group: past that many rows of groups at their limit, the claim
@@ -1261,11 +1268,13 @@ def _walk(
 
 def claim_limited(
     d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
-) -> Callable[[], tuple[list[Claimed], int]]:
+) -> tuple[Callable[[], tuple[list[Claimed], int]], DueAndLive | None]:
     """Claim up to ``limit`` rows as Dialect.claim does, but for the groups at their limit
     (see Batch.limits); read by calling (as the claim's rows are read, see
     Dialect.reads_after_commit): the rows claimed, and how many ready rows wait for their
-    group's limit after the claim (BatchResult.limited, see _limited).
+    group's limit after the claim (BatchResult.limited, see _limited). With it, where the
+    claim answers it (Dialect.claim_by_groups), what Dialect.due_and_live answers, read by
+    calling once the claim's rows are read; else None.
 
     Every process's limited claims of the queue take turns (Dialect.lock_limited, which
     the batch took first); ``now`` is the batch's time, read once it holds its turn, so
@@ -1302,15 +1311,17 @@ def claim_limited(
         # serves: pg drain, grouped: reads, walk and claim in one statement, no round trip
         # of their own.
         at_once = d.claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
+        due: list[tuple[float | None, int, bool]] = []
 
         def read_at_once() -> tuple[list[Claimed], int]:
-            rows, held, blocked, memo.groups = at_once()
+            rows, held, blocked, memo.groups, due_and_live = at_once()
+            due.append(due_and_live)
             if held < LIMITED_EXACT:
                 return rows, held
             params = {"queue": queue, "groups": d.listed(blocked), "now": now}
             return rows, _counted(d, queue, params, now)
 
-        return read_at_once
+        return read_at_once, lambda: due[0]
     # The most rows of each group the claim could take, whatever runs: where few, they are
     # asked for with the rest, before the groups' rooms are known.
     most, most_default = _rooms(_Slots(limits, now, {}, {}), limit)
@@ -1328,7 +1339,7 @@ def claim_limited(
     ungrouped = [tuple(row) for row in ungrouped_cursor or ()]
     chunk = None if chunk_read is None else [tuple(row) for row in chunk_read()]
     if paused is not None and paused[0]:
-        return lambda: ([], 0)
+        return (lambda: ([], 0)), None
 
     picked: list[tuple[int, str | None]] = []
     slots = base.copy()
@@ -1373,7 +1384,7 @@ def claim_limited(
             if group is not None and request_id not in taken and slots.room(group) == 0
         )
 
-    return read
+    return read, None
 
 
 def _blocked(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> list[str]:

@@ -482,7 +482,11 @@ SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now FR
 # are claimed as _CLAIM_PICKED claims them, a start recorded for each of a rated group.
 # Nothing while the queue is paused. Last comes one row more, its id NULL: how many due
 # ready rows of the groups left at their limit wait (counted no further than cap, the
-# rows just claimed left out), those groups, and how many groups have ready rows.
+# rows just claimed left out), those groups, and how many groups have ready rows; then
+# what _DUE_AND_LIVE asks, as of the claim: when the next ready row falls due (asked only
+# where no due row is held back: the loop wakes for a row falling due only then; its
+# probes pass over the index entries of the rows claimed since the last vacuum, serves:
+# pg drain, grouped), whether anything is live, and whether the queue is paused.
 _CLAIM_BY_GROUPS = f"""
 WITH RECURSIVE head AS (
     (SELECT id, priority, run_at, group_name FROM tickler_requests
@@ -583,13 +587,8 @@ WITH RECURSIVE head AS (
 ), blocked AS (
     SELECT room.name FROM room LEFT JOIN taken ON taken.group_name = room.name
     WHERE room.bounded AND room.free <= coalesce(taken.n, 0) AND NOT (SELECT p FROM paused)
-)
-SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now,
-    NULL::int8, NULL::text[], NULL::int8
-FROM claimed
-UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (
-    SELECT count(*) FROM (
+), held AS (
+    SELECT count(*) AS n FROM (
         SELECT 1 FROM blocked CROSS JOIN LATERAL (
             SELECT 1 FROM tickler_requests
             WHERE queue = %(queue)s AND {_READY} AND group_name = blocked.name
@@ -598,7 +597,35 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (
         ) AS c
         LIMIT %(cap)s
     ) AS upto
-), ARRAY(SELECT name FROM blocked ORDER BY name), (SELECT count(*) FROM head)
+), due AS (
+    SELECT CASE WHEN held.n = 0 THEN (
+        WITH RECURSIVE level(p, due) AS (
+            (SELECT priority, run_at FROM tickler_requests
+             WHERE queue = %(queue)s AND {_READY} AND id NOT IN (SELECT id FROM claimed)
+             ORDER BY priority DESC, run_at LIMIT 1)
+            UNION ALL
+            SELECT next.priority, next.run_at FROM level CROSS JOIN LATERAL (
+                SELECT priority, run_at FROM tickler_requests
+                WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+                    AND id NOT IN (SELECT id FROM claimed)
+                ORDER BY priority DESC, run_at LIMIT 1
+            ) AS next
+        )
+        SELECT min(due) FROM level
+    ) END AS at
+    FROM held
+)
+SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now,
+    NULL::int8, NULL::text[], NULL::int8, NULL::float8, NULL::bool, NULL::bool
+FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, held.n,
+    ARRAY(SELECT name FROM blocked ORDER BY name), (SELECT count(*) FROM head), due.at,
+    held.n > 0 OR due.at IS NOT NULL OR EXISTS (SELECT 1 FROM claimed) OR EXISTS (
+        SELECT 1 FROM tickler_requests WHERE queue = %(queue)s AND state = 'running'
+        ORDER BY lease_until DESC LIMIT 1),
+    (SELECT p FROM paused)
+FROM held, due
 """  # noqa: S608 (constants only)
 
 # One statement per wake-up: the ready rows of the highest priority first,
@@ -1475,7 +1502,7 @@ class PostgresSession:
         limit: int,
         limits: Mapping[str, tuple[int | None, int | None, float]],
         cap: int,
-    ) -> Callable[[], tuple[list[Claimed], int, list[str], int]]:
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
         named = [(group, limit) for group, limit in limits.items() if group != "*"]
         default = limits.get("*")
         params = {
@@ -1496,15 +1523,16 @@ class PostgresSession:
         }
         cursor = self.db.execute(_CLAIM_BY_GROUPS, params)
 
-        def read() -> tuple[list[Claimed], int, list[str], int]:
+        def read() -> tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]:
             rows: list[Claimed] = []
-            held, blocked, groups = 0, [], 0
+            held, blocked, groups, due = 0, [], 0, (None, 0, False)
             for row in cursor.fetchall():
                 if row[0] is None:
                     held, blocked, groups = row[8], row[9], row[10]
+                    due = (row[11], int(bool(row[12])), bool(row[13]))
                 else:
                     rows.append(row[:8])
-            return rows, int(held), list(blocked), int(groups)
+            return rows, int(held), list(blocked), int(groups), due
 
         return read
 

@@ -1074,7 +1074,7 @@ class SqliteSession:
         limit: int,
         limits: Mapping[str, tuple[int | None, int | None, float]],
         cap: int,
-    ) -> Callable[[], tuple[list[Claimed], int, list[str], int]]:
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
         raise NotImplementedError("claims_by_groups is False")
 
     def group_candidates(
