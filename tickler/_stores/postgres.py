@@ -727,11 +727,11 @@ WHERE id IN (
 # finished row ahead of the first ready one. Each index probe passes over the
 # entries that rows claimed since the last vacuum left behind, ahead of the
 # first ready row of each priority on tickler_ready, and of the running rows
-# on tickler_running (serves: pg drain, grouped, which asks once a batch of
-# at most one row per group): the probe that finds a priority gives its
-# earliest run_at too (the first of its entries, in run_at order), and a
-# running row is looked for from the latest lease, where the rows that run
-# now have theirs.
+# on tickler_running (serves: pg drain, both rows, whose batches ask it but
+# for the limited claims group by group, which answer it themselves): the
+# probe that finds a priority gives its earliest run_at too (the first of its
+# entries, in run_at order), and a running row is looked for from the latest
+# lease, where the rows that run now have theirs.
 _DUE_AND_LIVE = f"""
 SELECT (
     WITH RECURSIVE level(p, due) AS (
