@@ -517,7 +517,9 @@ def _claim(
     write_limits(d, queue, limits)
     if not batch.claim:
         return None, None
-    read, due_and_live = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
+    read, due_and_live = _claim_at_once(
+        d, queue, owner, lease, batch.claim, limits, now
+    ) or claim_limited(d, queue, owner, lease, batch.claim, limits, now)
 
     def rows() -> list[Claimed]:
         claimed, result.limited = read()
@@ -1272,9 +1274,7 @@ def claim_limited(
     """Claim up to ``limit`` rows as Dialect.claim does, but for the groups at their limit
     (see Batch.limits); read by calling (as the claim's rows are read, see
     Dialect.reads_after_commit): the rows claimed, and how many ready rows wait for their
-    group's limit after the claim (BatchResult.limited, see _limited). With it, where the
-    claim answers it (Dialect.claim_by_groups), what Dialect.due_and_live answers, read by
-    calling once the claim's rows are read; else None.
+    group's limit after the claim (BatchResult.limited, see _limited); and None.
 
     Every process's limited claims of the queue take turns (Dialect.lock_limited, which
     the batch took first); ``now`` is the batch's time, read once it holds its turn, so
@@ -1295,9 +1295,7 @@ def claim_limited(
     group is recorded, and starts older than the longest window deleted. The statements
     are asked in as few round trips as their answers allow: a store that pipelines them
     (PostgreSQL) waits for the server once or twice before the claim, which goes with the
-    batch's commit. A store that can (Dialect.claims_by_groups: PostgreSQL) looks group
-    by group, reads, walks and claims in one statement instead, which goes with the
-    batch's commit: the claim then costs no round trip of its own.
+    batch's commit (or, where it can, all in one statement: see _claim_at_once).
     """
     x, sql = d.execute, d.statements
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
@@ -1307,21 +1305,6 @@ def claim_limited(
     size = limit + CHUNK_EXTRA
     seen = memo.groups if memo.groups is not None else size + 1  # groups, at the last claim
     by_groups = seen <= size
-    if by_groups and d.claims_by_groups:
-        # serves: pg drain, grouped: reads, walk and claim in one statement, no round trip
-        # of their own.
-        at_once = d.claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
-        due: list[tuple[float | None, int, bool]] = []
-
-        def read_at_once() -> tuple[list[Claimed], int]:
-            rows, held, blocked, memo.groups, due_and_live = at_once()
-            due.append(due_and_live)
-            if held < LIMITED_EXACT:
-                return rows, held
-            params = {"queue": queue, "groups": d.listed(blocked), "now": now}
-            return rows, _counted(d, queue, params, now)
-
-        return read_at_once, lambda: due[0]
     # The most rows of each group the claim could take, whatever runs: where few, they are
     # asked for with the rest, before the groups' rooms are known.
     most, most_default = _rooms(_Slots(limits, now, {}, {}), limit)
@@ -1385,6 +1368,35 @@ def claim_limited(
         )
 
     return read, None
+
+
+def _claim_at_once(
+    d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
+) -> tuple[Callable[[], tuple[list[Claimed], int]], DueAndLive] | None:
+    """claim_limited's claim group by group in one statement (Dialect.claim_by_groups), where
+    the store can and claim_limited would look group by group at once (the session's last
+    claim found few groups), which goes with the batch's commit: no round trip of its own.
+    Read as claim_limited's; with it, what Dialect.due_and_live answers, read once the
+    claim's rows are. None where it does not claim so."""
+    memo = d.limited_memo.setdefault(queue, LimitedMemo())
+    if not d.claims_by_groups or memo.groups is None or memo.groups > limit + CHUNK_EXTRA:
+        return None
+    window = _window(limits)
+    if window > 0:
+        d.execute(d.statements.prune_starts, (queue, now - window))
+    # serves: pg drain, grouped: reads, walk and claim in one statement.
+    at_once = d.claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
+    due: list[tuple[float | None, int, bool]] = []
+
+    def read() -> tuple[list[Claimed], int]:
+        rows, held, blocked, memo.groups, due_and_live = at_once()
+        due.append(due_and_live)
+        if held < LIMITED_EXACT:
+            return rows, held
+        params = {"queue": queue, "groups": d.listed(blocked), "now": now}
+        return rows, _counted(d, queue, params, now)
+
+    return read, lambda: due[0]
 
 
 def _blocked(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> list[str]:
