@@ -538,6 +538,112 @@ def test_every_claim_takes_exactly_what_the_limits_allow_whichever_way_it_looks(
     assert sum(1 for count in known if count is not None) >= 30
 
 
+LIMITS_TO_COMPARE: list[dict[str, Limit]] = [
+    {"*": (1, None, 1.0)},
+    {"*": (2, None, 1.0), "g1": (1, 3, 60.0), "g2": (None, 2, 60.0)},
+    {"g0": (1, None, 1.0), "g3": (3, 2, 60.0), "g4": (None, None, 1.0)},  # no default
+    {"*": (None, 2, 60.0), "g5": (4, None, 1.0)},
+]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """PostgreSQL's claim group by group in one statement (claim_by_groups) takes the rows
+    that the walk over the rows read first takes (claim_limited without it), in the same
+    states, and counts as many rows held back: whatever the limits, priorities, due
+    times, ungrouped rows, lapsed leases (asked to cancel or not), running rows, recorded
+    starts and claim sizes; and nothing while the queue is paused. It answers what the
+    batch's due_and_live() answers after the walk's claim (but the next due time where
+    rows are held back, which the loop does not read then)."""
+    import psycopg
+
+    monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)  # every claim counts in full
+    monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)
+    rng = random.Random(seed)
+    limits = LIMITS_TO_COMPARE[seed % len(LIMITS_TO_COMPARE)]
+    groups = [f"g{n}" for n in range(12)]
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema, **FAST)
+    store.create_schema()
+    session, other = store.connect(), store.connect()
+    table = f'"{postgres_schema}".tickler_requests'
+
+    def claim(size: int, *, at_once: bool) -> tuple[list[tuple[Any, ...]], int, Any]:
+        """The claim, rolled back instead of committed: each way claims from the same rows
+        (group by group: its session knew of few groups at its last claim)."""
+
+        def roll_back() -> None:
+            session.db.execute("ROLLBACK")
+            assert session._pipeline is not None  # (run() is under way)
+            session._pipeline.sync()
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(session, "claims_by_groups", at_once)
+            patch.setattr(session, "commit", roll_back)
+            session.limited_memo["jobs"] = _sql.LimitedMemo(groups=1)
+            result = run(session, Batch(claim=size, limits=limits))
+        rows = [(row[0], row[2], row[6], row[7]) for row in result.claimed]
+        # What the loop reads of the rest: the next due time only where no row is held back.
+        due = (None if result.limited else result.next_due, result.live, result.paused)
+        if at_once:
+            assert result.next_due is None or not result.limited
+        return rows, result.limited, due
+
+    try:
+        later = time.time() + 3600
+        inserts = [
+            entry(
+                f"{n}".encode(),
+                rng.choice([*groups, None]),
+                priority=rng.choice([0, 0, 1, 2]),
+                at=later if rng.random() < 0.15 else None,
+            )
+            for n in range(300)
+        ]
+        # Groups whose first row in claim order is not due, with due rows behind it.
+        inserts += [entry(b"later", group, priority=5, at=later) for group in groups[::3]]
+        # First a few rows, one a group, none held back: the next due time is compared too.
+        few = [entry(b"first", group) for group in groups[:4]] + [entry(b"first")]
+        run(session, Batch(inserts=[*few, entry(b"soon", "g5", at=later - 60)]))
+        walked = claim(300, at_once=False)
+        assert walked[1] == 0
+        assert walked[2][0] == pytest.approx(later - 60, abs=30)  # (the store's clock)
+        assert claim(300, at_once=True) == walked
+        run(session, Batch(inserts=inserts))
+        compared, held, rescued = 0, 0, 0
+        for _ in range(3):
+            for size in (1, 3, 7, 25, 300):
+                walked = claim(size, at_once=False)
+                assert claim(size, at_once=True) == walked, size
+                compared, held = compared + len(walked[0]), held + walked[1]
+                rescued += sum(1 for row in walked[0] if row[1] > 1)  # (its second attempt)
+            # Another process runs some rows, and started them; some of its leases lapse,
+            # some of those asked to cancel.
+            run(other, Batch(claim=rng.choice([5, 20]), limits=limits), owner="other")
+            with psycopg.connect(postgres_dsn, autocommit=True) as db:
+                running = db.execute(
+                    f"SELECT id FROM {table} WHERE state = 'running' ORDER BY id"  # noqa: S608
+                ).fetchall()
+                lapsed = [row[0] for row in running if rng.random() < 0.4]
+                db.execute(
+                    f"UPDATE {table} SET lease_until = lease_until - 1e6,"  # noqa: S608
+                    " cancel_requested = id = ANY(%s) WHERE id = ANY(%s)",
+                    ([i for i in lapsed if rng.random() < 0.3], lapsed),
+                )
+        assert compared > 0  # (else the test says nothing)
+        assert held > 0
+        assert rescued > 0
+        run(session, Batch(pause=True))
+        paused = claim(300, at_once=False)
+        assert paused[:2] == ([], 0)
+        assert paused[2][1:] == (1, True)
+        assert claim(300, at_once=True) == paused
+    finally:
+        session.close()
+        other.close()
+
+
 def test_a_large_limited_count_is_made_again_once_a_while(
     backend: Backend, store: Any, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:

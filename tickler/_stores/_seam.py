@@ -99,6 +99,10 @@ class BatchResult:
     """For each outcome: the state it wrote, or None if this process no longer held the lease."""
     claimed: list[Claimed] = attrs.Factory(list)
     next_due: float | None = None
+    """When the queue's next ready row falls due (the store's clock), after the batch; None
+    if it has none. Also None after a claim with Batch.limits that left due rows waiting
+    for their group's limit (limited > 0): the loop then waits for its next look or a
+    wake-up, not for a row falling due (a store may skip asking for it)."""
     mine: dict[int, bool] | None = None
     """With renew: the running requests this process holds, and whether each is to be cancelled."""
     finals: list[Row] = attrs.Factory(list)

@@ -260,10 +260,11 @@ class Dialect(Protocol):
 
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
+    ) -> Callable[[], list[str | None]]:
         """Each outcome (see run_batch) only while the row is running under owner's lease and
         at the outcome's attempt (its last value; None: any), checked in the statement that
-        writes it: the state it wrote, or None where the row was no longer so."""
+        writes it: the state it wrote, or None where the row was no longer so; read by
+        calling (as the claim's rows are read, see reads_after_commit)."""
         ...
 
     def mark_dead(self, queue: str, owner: str, now: float, limit: int) -> None:
@@ -320,7 +321,8 @@ class Dialect(Protocol):
 
     def lock_limited(self, queue: str) -> None:
         """Hold every other process's limited claim of ``queue`` back until the transaction
-        ends. Taken first in a batch that makes one, before any row is written."""
+        ends. Taken first in a batch that makes one, before any row is written (at the
+        latest by the batch's now(), which comes next)."""
         ...
 
     def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
@@ -341,6 +343,30 @@ class Dialect(Protocol):
         or running with a lease lapsed before now (not owner's, not asked to cancel), and
         record a start at ``now`` for each row claimed whose group is ``rated``; the rows
         claimed, as Dialect.claim gives them, are read by calling."""
+        ...
+
+    claims_by_groups: bool
+    """Whether claim_by_groups() may be called."""
+
+    def claim_by_groups(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        limit: int,
+        limits: Limits,
+        cap: int,
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
+        """claim_limited's claim group by group in one statement: up to ``limit`` rows, as
+        _walk picks them from every group's first due rows, the due rows of no group and the
+        lapsed leases, each group's room taken from its running rows and its recorded starts
+        at ``now`` (nothing while the queue is paused), a start recorded for each row
+        claimed of a rated group. Read by calling: the rows claimed, as Dialect.claim gives
+        them; how many due ready rows of the groups left at their limit wait, counted no
+        further than ``cap``; those groups; how many groups have ready rows; and what
+        due_and_live() answers after the claim, but for the next due time where due rows
+        wait for their group's limit (then None: see BatchResult.next_due)."""
         ...
 
     def group_candidates(
@@ -396,7 +422,7 @@ def run_batch(
             d.lock_limited(queue)
         now, shift = d.now()
         result.now, result.shift = now, shift
-        _write(d, queue, owner, now, shift, batch, result)
+        applied = _write(d, queue, owner, now, shift, batch, result)
         if batch.claim or batch.renew:
             x(sql.end_cancelled_orphans, (now, queue, now, owner))
         if batch.renew:
@@ -404,12 +430,14 @@ def run_batch(
             result.mine = {row[0]: bool(row[1]) for row in x(sql.mine, (queue, owner))}
         if batch.pause is not None:
             x(sql.set_paused, (queue, batch.pause))
-        claimed = _claim(d, queue, owner, lease, now, batch, result)
+        claimed, due_and_live_read = _claim(d, queue, owner, lease, now, batch, result)
         # Asked before the claim's rows are read: a server answers both, and
-        # with reads_after_commit the COMMIT, in one round trip.
-        due_and_live = d.due_and_live(queue)
+        # with reads_after_commit the COMMIT, in one round trip. (A limited claim may
+        # answer it itself.)
+        due_and_live = due_and_live_read or d.due_and_live(queue)
 
         def read() -> None:
+            result.applied = applied()
             if claimed is not None:
                 rows = claimed()
                 rows.sort(key=_claim_order)
@@ -444,9 +472,10 @@ def run_batch(
 
 def _write(
     d: Dialect, queue: str, owner: str, now: float, shift: float, batch: Batch, result: BatchResult
-) -> None:
+) -> Callable[[], list[str | None]]:
     """The batch's writes before its claim: its inserts (and their trace context), its
-    ticks, the attempts started and the outcomes (see run_batch)."""
+    ticks, the attempts started and the outcomes (see run_batch); what the outcomes
+    applied is read by calling."""
     inserts, outcomes = batch.inserts, batch.outcomes
     if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
         outcomes = [_with_attempt(outcome) for outcome in outcomes]
@@ -466,13 +495,14 @@ def _write(
         result.ticked = _tick(d, queue, batch.ticks, now)
     if batch.started:
         d.mark_started(owner, batch.started, now)
-    result.applied = d.write_outcomes(owner, outcomes, now)
+    return d.write_outcomes(owner, outcomes, now)
 
 
 def _claim(
     d: Dialect, queue: str, owner: str, lease: float, now: float, batch: Batch, result: BatchResult
-) -> Callable[[], list[Claimed]] | None:
-    """The batch's claim, to read once the batch is sent: plain, or under the limits.
+) -> tuple[Callable[[], list[Claimed]] | None, DueAndLive | None]:
+    """The batch's claim, to read once the batch is sent: plain, or under the limits; and,
+    where the claim answers it, what Dialect.due_and_live answers.
 
     With limits, they are also recorded for the queue, and ``result.limited``
     counts the ready rows they hold back. The leases of as many rows of owners whose
@@ -481,18 +511,21 @@ def _claim(
     if batch.claim:
         d.mark_dead(queue, owner, now, batch.claim)
     if batch.limits is None:
-        return d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
+        plain = d.claim(queue, owner, now, now + lease, batch.claim) if batch.claim else None
+        return plain, None
     limits = normal_limits(batch.limits)
     write_limits(d, queue, limits)
     if not batch.claim:
-        return None
-    read = claim_limited(d, queue, owner, lease, batch.claim, limits, now)
+        return None, None
+    read, due_and_live = _claim_at_once(
+        d, queue, owner, lease, batch.claim, limits, now
+    ) or claim_limited(d, queue, owner, lease, batch.claim, limits, now)
 
     def rows() -> list[Claimed]:
         claimed, result.limited = read()
         return claimed
 
-    return rows
+    return rows, due_and_live
 
 
 def _write_traces(
@@ -1053,6 +1086,8 @@ def report(
 
 # (concurrency, rate, per) by group name, "*" for the groups not named.
 Limits = Mapping[str, tuple[int | None, int | None, float]]
+# What Dialect.due_and_live answers, read by calling: (next due time, live, paused).
+DueAndLive = Callable[[], tuple[float | None, int, bool]]
 
 # Besides the rows a limited claim asks for, how many more its first look reads in claim
 # order, whatever their group: past that many rows of groups at their limit, the claim
@@ -1235,11 +1270,11 @@ def _walk(
 
 def claim_limited(
     d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
-) -> Callable[[], tuple[list[Claimed], int]]:
+) -> tuple[Callable[[], tuple[list[Claimed], int]], DueAndLive | None]:
     """Claim up to ``limit`` rows as Dialect.claim does, but for the groups at their limit
     (see Batch.limits); read by calling (as the claim's rows are read, see
     Dialect.reads_after_commit): the rows claimed, and how many ready rows wait for their
-    group's limit after the claim (BatchResult.limited, see _limited).
+    group's limit after the claim (BatchResult.limited, see _limited); and None.
 
     Every process's limited claims of the queue take turns (Dialect.lock_limited, which
     the batch took first); ``now`` is the batch's time, read once it holds its turn, so
@@ -1260,7 +1295,7 @@ def claim_limited(
     group is recorded, and starts older than the longest window deleted. The statements
     are asked in as few round trips as their answers allow: a store that pipelines them
     (PostgreSQL) waits for the server once or twice before the claim, which goes with the
-    batch's commit.
+    batch's commit (or, where it can, all in one statement: see _claim_at_once).
     """
     x, sql = d.execute, d.statements
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
@@ -1287,7 +1322,7 @@ def claim_limited(
     ungrouped = [tuple(row) for row in ungrouped_cursor or ()]
     chunk = None if chunk_read is None else [tuple(row) for row in chunk_read()]
     if paused is not None and paused[0]:
-        return lambda: ([], 0)
+        return (lambda: ([], 0)), None
 
     picked: list[tuple[int, str | None]] = []
     slots = base.copy()
@@ -1332,7 +1367,36 @@ def claim_limited(
             if group is not None and request_id not in taken and slots.room(group) == 0
         )
 
-    return read
+    return read, None
+
+
+def _claim_at_once(
+    d: Dialect, queue: str, owner: str, lease: float, limit: int, limits: Limits, now: float
+) -> tuple[Callable[[], tuple[list[Claimed], int]], DueAndLive] | None:
+    """claim_limited's claim group by group in one statement (Dialect.claim_by_groups), where
+    the store can and claim_limited would look group by group at once (the session's last
+    claim found few groups), which goes with the batch's commit: no round trip of its own.
+    Read as claim_limited's; with it, what Dialect.due_and_live answers, read once the
+    claim's rows are. None where it does not claim so."""
+    memo = d.limited_memo.setdefault(queue, LimitedMemo())
+    if not d.claims_by_groups or memo.groups is None or memo.groups > limit + CHUNK_EXTRA:
+        return None
+    window = _window(limits)
+    if window > 0:
+        d.execute(d.statements.prune_starts, (queue, now - window))
+    # serves: pg drain, grouped: reads, walk and claim in one statement.
+    at_once = d.claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
+    due: list[tuple[float | None, int, bool]] = []
+
+    def read() -> tuple[list[Claimed], int]:
+        rows, held, blocked, memo.groups, due_and_live = at_once()
+        due.append(due_and_live)
+        if held < LIMITED_EXACT:
+            return rows, held
+        params = {"queue": queue, "groups": d.listed(blocked), "now": now}
+        return rows, _counted(d, queue, params, now)
+
+    return read, lambda: due[0]
 
 
 def _blocked(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> list[str]:
@@ -1366,16 +1430,22 @@ def _limited(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> Callable[
         (count,) = upto.fetchone()
         if count < LIMITED_EXACT:
             return int(count)
-        memo = d.limited_memo.setdefault(queue, LimitedMemo())
-        spacing = max(LIMITED_EVERY, LIMITED_SPACING * memo.took)
-        if memo.counted < LIMITED_EXACT or slots.now - memo.counted_at >= spacing:
-            started = time.perf_counter()
-            (count,) = x(sql.limited_count, params).fetchone()
-            memo.took = time.perf_counter() - started
-            memo.counted, memo.counted_at = int(count), slots.now
-        return memo.counted
+        return _counted(d, queue, params, slots.now)
 
     return read
+
+
+def _counted(d: Dialect, queue: str, params: dict[str, Any], now: float) -> int:
+    """The rows held back past LIMITED_EXACT (``params`` as limited_count takes them): counted
+    in full, or the session's last full count while it is recent (see _limited)."""
+    memo = d.limited_memo.setdefault(queue, LimitedMemo())
+    spacing = max(LIMITED_EVERY, LIMITED_SPACING * memo.took)
+    if memo.counted < LIMITED_EXACT or now - memo.counted_at >= spacing:
+        started = time.perf_counter()
+        (count,) = d.execute(d.statements.limited_count, params).fetchone()
+        memo.took = time.perf_counter() - started
+        memo.counted, memo.counted_at = int(count), now
+    return memo.counted
 
 
 def limited_now(d: Dialect, queue: str) -> int:

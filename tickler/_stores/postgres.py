@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -471,6 +471,164 @@ WITH claimed AS (
 SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now FROM claimed
 """  # noqa: S608 (constants only)
 
+# A limited claim group by group, in one statement (serves: pg drain, grouped): what
+# _sql.claim_limited reads, walks and claims in three statements and a round trip of its
+# own, here asked with the batch's COMMIT. Every group that has ready rows is found one
+# index probe each (as _GROUP_CANDIDATES finds them), with every group of a lapsed lease;
+# each one's room is its limit (its entry of the named limits, else the default, if any)
+# less its running rows whose lease has not run out and its starts within its window; the
+# candidates are each group's first due rows, as many as its room, the due rows of no
+# group and the lapsed leases; of those, in claim order, each group's first as many as its
+# room, and the first `limit` of all (what _sql._walk picks from the same rows). The rows
+# are claimed as _CLAIM_PICKED claims them, a start recorded for each of a rated group.
+# Nothing while the queue is paused. Last comes one row more, its id NULL: how many due
+# ready rows of the groups left at their limit wait (counted no further than cap, the
+# rows just claimed left out), those groups, and how many groups have ready rows; then
+# what _DUE_AND_LIVE asks, as of the claim: when the next ready row falls due (asked only
+# where no due row is held back: the loop wakes for a row falling due only then; its
+# probes pass over the index entries of the rows claimed since the last vacuum, serves:
+# pg drain, grouped), whether anything is live, and whether the queue is paused.
+_CLAIM_BY_GROUPS = f"""
+WITH RECURSIVE head AS (
+    (SELECT id, priority, run_at, group_name FROM tickler_requests
+     WHERE queue = %(queue)s AND {_READY} AND group_name IS NOT NULL
+     ORDER BY group_name, priority DESC, run_at, id LIMIT 1)
+    UNION ALL
+    SELECT next.* FROM head CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND group_name > head.group_name
+        ORDER BY group_name, priority DESC, run_at, id LIMIT 1
+    ) AS next
+), paused AS (
+    SELECT coalesce((SELECT paused FROM tickler_queues WHERE queue = %(queue)s), FALSE) AS p
+), expired AS (
+    SELECT id, priority, run_at, group_name FROM tickler_requests
+    WHERE queue = %(queue)s AND state = 'running' AND lease_until < %(now)s
+        AND owner <> %(owner)s AND NOT cancel_requested
+    ORDER BY lease_until LIMIT %(limit)s
+), running AS (
+    SELECT group_name, count(*) AS n FROM tickler_requests
+    WHERE queue = %(queue)s AND state = 'running' AND lease_until > %(now)s
+        AND group_name IS NOT NULL
+    GROUP BY group_name
+), limits AS (
+    SELECT g.name, n.name IS NOT NULL OR %(default)s AS limited,
+        CASE WHEN n.name IS NOT NULL THEN n.concurrency ELSE %(concurrency)s::int8 END
+            AS concurrency,
+        CASE WHEN n.name IS NOT NULL THEN n.rate ELSE %(rate)s::int8 END AS rate,
+        CASE WHEN n.name IS NOT NULL THEN n.per ELSE %(per)s::float8 END AS per
+    FROM (SELECT group_name AS name FROM head
+          UNION SELECT group_name FROM expired WHERE group_name IS NOT NULL) AS g
+    LEFT JOIN unnest(%(names)s::text[], %(concurrencies)s::int8[], %(rates)s::int8[],
+        %(pers)s::float8[]) AS n(name, concurrency, rate, per) ON n.name = g.name
+), free AS (
+    SELECT limits.name, limits.rate IS NOT NULL AS rated,
+        limits.limited AND (limits.concurrency IS NOT NULL OR limits.rate IS NOT NULL)
+            AS bounded,
+        CASE WHEN limits.limited THEN greatest(0, least(
+            limits.concurrency - coalesce(running.n, 0), limits.rate - started.n))
+        END AS n
+    FROM limits LEFT JOIN running ON running.group_name = limits.name
+    LEFT JOIN LATERAL (
+        SELECT count(*) AS n FROM tickler_starts
+        WHERE queue = %(queue)s AND group_name = limits.name
+            AND started_at > %(now)s - limits.per AND limits.rate IS NOT NULL
+    ) AS started ON TRUE
+), room AS (
+    SELECT name, rated, bounded, n AS free,
+        CASE WHEN bounded THEN least(n, %(limit)s) ELSE %(limit)s END AS n
+    FROM free
+), candidates AS (
+    SELECT head.* FROM head JOIN room ON room.name = head.group_name
+    WHERE room.n > 0 AND head.run_at <= %(now)s
+    UNION ALL
+    SELECT more.* FROM head JOIN room ON room.name = head.group_name CROSS JOIN LATERAL (
+        SELECT id, priority, run_at, group_name FROM tickler_requests
+        WHERE queue = %(queue)s AND {_READY} AND group_name = head.group_name
+            AND run_at <= %(now)s AND id <> head.id
+        ORDER BY priority DESC, run_at, id
+        LIMIT CASE WHEN head.run_at <= %(now)s THEN room.n - 1 ELSE room.n END
+    ) AS more
+    WHERE room.n > 1 OR (room.n = 1 AND head.run_at > %(now)s)
+    UNION ALL
+    (SELECT id, priority, run_at, group_name FROM tickler_requests
+     WHERE queue = %(queue)s AND {_READY} AND group_name IS NULL AND run_at <= %(now)s
+     ORDER BY priority DESC, run_at, id LIMIT %(limit)s)
+    UNION ALL
+    SELECT * FROM expired
+), picked AS (
+    SELECT ranked.id FROM (
+        SELECT candidates.*, row_number() OVER (
+            PARTITION BY group_name ORDER BY priority DESC, run_at, id) AS k
+        FROM candidates
+    ) AS ranked LEFT JOIN room ON room.name = ranked.group_name
+    WHERE (ranked.group_name IS NULL OR ranked.k <= room.n) AND NOT (SELECT p FROM paused)
+    ORDER BY ranked.priority DESC, ranked.run_at, ranked.id LIMIT %(limit)s
+), claimed AS (
+    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
+        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL,
+        {RESCUE_SETS.format(now="%(now)s")}
+    WHERE id = ANY(ARRAY(SELECT id FROM picked)) AND ({_READY}
+        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
+            AND NOT cancel_requested))
+    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name,
+        {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
+), started AS (
+    INSERT INTO tickler_starts (queue, group_name, started_at)
+    SELECT %(queue)s, claimed.group_name, %(now)s
+    FROM claimed JOIN room ON room.name = claimed.group_name
+    WHERE room.rated
+), counted AS (
+    INSERT INTO tickler_rescues (queue, reason, count)
+    SELECT %(queue)s, rescued_now, count(*) FROM claimed
+    WHERE rescued_now IS NOT NULL GROUP BY rescued_now
+    ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
+), taken AS (
+    SELECT group_name, count(*) AS n FROM claimed GROUP BY group_name
+), blocked AS (
+    SELECT room.name FROM room LEFT JOIN taken ON taken.group_name = room.name
+    WHERE room.bounded AND room.free <= coalesce(taken.n, 0) AND NOT (SELECT p FROM paused)
+), held AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM blocked CROSS JOIN LATERAL (
+            SELECT 1 FROM tickler_requests
+            WHERE queue = %(queue)s AND {_READY} AND group_name = blocked.name
+                AND run_at <= %(now)s AND id NOT IN (SELECT id FROM claimed)
+            LIMIT %(cap)s
+        ) AS c
+        LIMIT %(cap)s
+    ) AS upto
+), due AS (
+    SELECT CASE WHEN held.n = 0 THEN (
+        WITH RECURSIVE level(p, due) AS (
+            (SELECT priority, run_at FROM tickler_requests
+             WHERE queue = %(queue)s AND {_READY} AND id NOT IN (SELECT id FROM claimed)
+             ORDER BY priority DESC, run_at LIMIT 1)
+            UNION ALL
+            SELECT next.priority, next.run_at FROM level CROSS JOIN LATERAL (
+                SELECT priority, run_at FROM tickler_requests
+                WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+                    AND id NOT IN (SELECT id FROM claimed)
+                ORDER BY priority DESC, run_at LIMIT 1
+            ) AS next
+        )
+        SELECT min(due) FROM level
+    ) END AS at
+    FROM held
+)
+SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now,
+    NULL::int8, NULL::text[], NULL::int8, NULL::float8, NULL::bool, NULL::bool
+FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, held.n,
+    ARRAY(SELECT name FROM blocked ORDER BY name), (SELECT count(*) FROM head), due.at,
+    held.n > 0 OR due.at IS NOT NULL OR EXISTS (SELECT 1 FROM claimed) OR EXISTS (
+        SELECT 1 FROM tickler_requests WHERE queue = %(queue)s AND state = 'running'
+        ORDER BY lease_until DESC LIMIT 1),
+    (SELECT p FROM paused)
+FROM held, due
+"""  # noqa: S608 (constants only)
+
 # One statement per wake-up: the ready rows of the highest priority first,
 # each priority's in the order they fell due, and the expired leases,
 # skipping rows another replica is claiming at this instant; nothing while
@@ -570,29 +728,43 @@ WHERE id IN (
 # found as the claim finds them), whether anything is live, and whether the
 # queue is paused, in one statement, each part on its index: an EXISTS over
 # the ready states may be planned as a sequential scan, which reads every
-# finished row ahead of the first ready one.
+# finished row ahead of the first ready one. Each index probe passes over the
+# entries that rows claimed since the last vacuum left behind, ahead of the
+# first ready row of each priority on tickler_ready, and of the running rows
+# on tickler_running (serves: pg drain, both rows, whose batches ask it but
+# for the limited claims group by group, which answer it themselves): the
+# probe that finds a priority gives its earliest run_at too (the first of its
+# entries, in run_at order), and a running row is looked for from the latest
+# lease, where the rows that run now have theirs.
 _DUE_AND_LIVE = f"""
 SELECT (
-    WITH RECURSIVE level(p) AS (
-        (SELECT priority FROM tickler_requests
+    WITH RECURSIVE level(p, due) AS (
+        (SELECT priority, run_at FROM tickler_requests
          WHERE queue = %(queue)s AND {_READY}
-         ORDER BY priority DESC LIMIT 1)
+         ORDER BY priority DESC, run_at LIMIT 1)
         UNION ALL
-        SELECT (SELECT priority FROM tickler_requests
-                WHERE queue = %(queue)s AND {_READY} AND priority < level.p
-                ORDER BY priority DESC LIMIT 1)
-        FROM level WHERE level.p IS NOT NULL
+        SELECT next.priority, next.run_at FROM level CROSS JOIN LATERAL (
+            SELECT priority, run_at FROM tickler_requests
+            WHERE queue = %(queue)s AND {_READY} AND priority < level.p
+            ORDER BY priority DESC, run_at LIMIT 1
+        ) AS next
     )
-    SELECT min((SELECT run_at FROM tickler_requests
-                WHERE queue = %(queue)s AND {_READY} AND priority = level.p
-                ORDER BY run_at LIMIT 1))
-    FROM level WHERE level.p IS NOT NULL
+    SELECT min(due) FROM level
 ), (
     SELECT 1 FROM tickler_requests
     WHERE queue = %(queue)s AND state = 'running'
-    ORDER BY lease_until LIMIT 1
+    ORDER BY lease_until DESC LIMIT 1
 ) IS NOT NULL, coalesce((SELECT paused FROM tickler_queues WHERE queue = %(queue)s), FALSE)
 """  # noqa: S608 (constants only)
+
+# The transaction's time; and the same once the limited claims' advisory lock of a queue
+# (see PostgresSession.lock_limited) is held, in one statement: the lock is taken as the
+# CTE is read, before the clock is.
+_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
+_LOCKED_NOW = (
+    "WITH locked AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0)))"
+    " SELECT extract(epoch FROM clock_timestamp())::float8 FROM locked"
+)
 
 _STARTED = (
     "UPDATE tickler_requests SET started_at = %s WHERE id = ANY(%s::int8[])"
@@ -1155,6 +1327,7 @@ class PostgresSession:
         another replica ends this session if it waits on this process, in this
         transaction, for longer than the lease."""
         self._reconnect_if_broken()  # the server went away, and the loop retries
+        self._limits_key = None
         self.db.execute("BEGIN")
         if self._lease_ms is not None:
             # Sent with the next statement whose answer is read (serves: pg drain).
@@ -1196,7 +1369,11 @@ class PostgresSession:
         batch's claim, and a delay never ends early.
         """
         asked_at = time.time()
-        row = self.db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        key, self._limits_key = self._limits_key, None
+        if key is None:
+            row = self.db.execute(_NOW).fetchone()
+        else:
+            row = self.db.execute(_LOCKED_NOW, (key,)).fetchone()
         assert row is not None
         now = float(row[0])
         return now, now - asked_at
@@ -1215,16 +1392,27 @@ class PostgresSession:
 
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
-        """One UPDATE per kind: its values as arrays, one per column, joined by unnest()."""
+    ) -> Callable[[], list[str | None]]:
+        """One UPDATE per kind: its values as arrays, one per column, joined by unnest().
+
+        Their answers are read once the batch has committed: the statements after them go
+        out in the same round trip (serves: pg drain, grouped, whose claim reads next).
+        """
         by_kind: dict[str, list[tuple[Any, ...]]] = {}
         for kind, request_id, values in outcomes:
             by_kind.setdefault(kind, []).append((request_id, *values, now))
-        applied: dict[int, str] = {}
+        cursors = []
         for kind, rows in by_kind.items():
             arrays = [list(column) for column in zip(*rows, strict=True)]
-            applied.update(self.db.execute(_outcome_sql(kind), [*arrays, owner]).fetchall())
-        return [applied.get(request_id) for _, request_id, _ in outcomes]
+            cursors.append(self.db.execute(_outcome_sql(kind), [*arrays, owner]))
+
+        def read() -> list[str | None]:
+            applied: dict[int, str] = {}
+            for cursor in cursors:
+                applied.update(cursor.fetchall())
+            return [applied.get(request_id) for _, request_id, _ in outcomes]
+
+        return read
 
     def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
         self.db.execute(_STARTED, (now, list(ids), owner))
@@ -1280,12 +1468,15 @@ class PostgresSession:
     def listed(self, values: Sequence[Any]) -> list[Any]:
         return list(values)
 
+    # The advisory lock lock_limited() asked for, which the batch's now() takes.
+    _limits_key: str | None = None
+
     def lock_limited(self, queue: str) -> None:
         """A transaction's advisory lock on the schema and queue, which every replica's
         limited claim of the queue takes first in its batch. A claim without limits takes
-        no such lock."""
-        key = f"tickler:{self.store.schema}:limits:{queue}"
-        self.db.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
+        no such lock. It is taken by the statement that reads the batch's clock, next
+        (serves: pg drain, grouped: one statement less in each of its batches)."""
+        self._limits_key = f"tickler:{self.store.schema}:limits:{queue}"
 
     def ready_chunk(self, queue: str, now: float, size: int) -> Callable[[], list[tuple[Any, ...]]]:
         params = {"queue": queue, "now": now, "limit": size}
@@ -1309,6 +1500,53 @@ class PostgresSession:
             "rated": list(rated),
         }
         return self.db.execute(_CLAIM_PICKED, params).fetchall
+
+    # serves: pg drain, grouped: a limited claim group by group in one statement, which
+    # goes out with the COMMIT (see _CLAIM_BY_GROUPS).
+    claims_by_groups = True
+
+    def claim_by_groups(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        limit: int,
+        limits: Mapping[str, tuple[int | None, int | None, float]],
+        cap: int,
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
+        named = [(group, limit) for group, limit in limits.items() if group != "*"]
+        default = limits.get("*")
+        params = {
+            "queue": queue,
+            "owner": owner,
+            "lease_until": lease_until,
+            "now": now,
+            "limit": limit,
+            "cap": cap,
+            "names": [group for group, _ in named],
+            "concurrencies": [c for _, (c, _, _) in named],
+            "rates": [r for _, (_, r, _) in named],
+            "pers": [per for _, (_, _, per) in named],
+            "default": default is not None,
+            "concurrency": None if default is None else default[0],
+            "rate": None if default is None else default[1],
+            "per": None if default is None else default[2],
+        }
+        cursor = self.db.execute(_CLAIM_BY_GROUPS, params)
+
+        def read() -> tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]:
+            rows: list[Claimed] = []
+            held, blocked, groups, due = 0, [], 0, (None, 0, False)
+            for row in cursor.fetchall():
+                if row[0] is None:
+                    held, blocked, groups = row[8], row[9], row[10]
+                    due = (row[11], int(bool(row[12])), bool(row[13]))
+                else:
+                    rows.append(row[:8])
+            return rows, int(held), list(blocked), int(groups), due
+
+        return read
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int

@@ -14,7 +14,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -918,7 +918,7 @@ class SqliteSession:
 
     def write_outcomes(
         self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
-    ) -> list[str | None]:
+    ) -> Callable[[], list[str | None]]:
         """One UPDATE per kind of outcome (and per chunk), joined with its rows as VALUES."""
         x = self.db.execute
         by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
@@ -953,7 +953,8 @@ class SqliteSession:
                         [*params, owner],
                     ).fetchall()
                 )
-        return [applied.get(request_id) for _, request_id, _ in outcomes]
+        written = [applied.get(request_id) for _, request_id, _ in outcomes]
+        return lambda: written
 
     def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
         self.db.execute(_STARTED, (now, json.dumps(list(ids)), owner))
@@ -1060,6 +1061,21 @@ class SqliteSession:
         if started:
             x(_RECORD_STARTS, (queue, now, json.dumps(started)))
         return rows.copy
+
+    # SQLite answers each statement as it is asked: claim_limited reads and walks here.
+    claims_by_groups = False
+
+    def claim_by_groups(
+        self,
+        queue: str,
+        owner: str,
+        lease_until: float,
+        now: float,
+        limit: int,
+        limits: Mapping[str, tuple[int | None, int | None, float]],
+        cap: int,
+    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
+        raise NotImplementedError("claims_by_groups is False")
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
