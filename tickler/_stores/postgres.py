@@ -412,13 +412,9 @@ SELECT id, priority, due, group_name FROM (
 ORDER BY priority DESC, due, id LIMIT %(limit)s
 """  # noqa: S608 (constants only)
 
-# Every group that has ready rows, found one at a time on tickler_groups, each with its first
-# ready row in claim order (a loose index scan: each probe finds the next group and its first
-# row at once); then, for each group whose room (its entry of the rooms given, else the
-# default room) is more than one, or whose first row is not due, its first due rows, as many
-# as its room. A group at its limit costs one probe.
-_GROUP_CANDIDATES = f"""
-WITH RECURSIVE head AS (
+# Every group that has ready rows, each with its first ready row in claim order: a
+# recursive CTE named head, for _GROUP_CANDIDATES and _CLAIM_BY_GROUPS.
+_HEADS = f"""head AS (
     (SELECT id, priority, run_at, group_name FROM tickler_requests
      WHERE queue = %(queue)s AND {_READY} AND group_name IS NOT NULL
      ORDER BY group_name, priority DESC, run_at, id LIMIT 1)
@@ -428,7 +424,15 @@ WITH RECURSIVE head AS (
         WHERE queue = %(queue)s AND {_READY} AND group_name > head.group_name
         ORDER BY group_name, priority DESC, run_at, id LIMIT 1
     ) AS next
-), want AS (
+)"""  # noqa: S608 (constants only)
+
+# Every group that has ready rows, found one at a time on tickler_groups, each with its first
+# ready row in claim order (a loose index scan: each probe finds the next group and its first
+# row at once); then, for each group whose room (its entry of the rooms given, else the
+# default room) is more than one, or whose first row is not due, its first due rows, as many
+# as its room. A group at its limit costs one probe.
+_GROUP_CANDIDATES = f"""
+WITH RECURSIVE {_HEADS}, want AS (
     SELECT head.*, coalesce(room.n, %(default_room)s::int8) AS n
     FROM head LEFT JOIN unnest(%(groups)s::text[], %(rooms)s::int8[]) AS room(name, n)
         ON room.name = head.group_name
@@ -489,17 +493,7 @@ SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now FR
 # probes pass over the index entries of the rows claimed since the last vacuum, serves:
 # pg drain, grouped), whether anything is live, and whether the queue is paused.
 _CLAIM_BY_GROUPS = f"""
-WITH RECURSIVE head AS (
-    (SELECT id, priority, run_at, group_name FROM tickler_requests
-     WHERE queue = %(queue)s AND {_READY} AND group_name IS NOT NULL
-     ORDER BY group_name, priority DESC, run_at, id LIMIT 1)
-    UNION ALL
-    SELECT next.* FROM head CROSS JOIN LATERAL (
-        SELECT id, priority, run_at, group_name FROM tickler_requests
-        WHERE queue = %(queue)s AND {_READY} AND group_name > head.group_name
-        ORDER BY group_name, priority DESC, run_at, id LIMIT 1
-    ) AS next
-), paused AS (
+WITH RECURSIVE {_HEADS}, paused AS (
     SELECT coalesce((SELECT paused FROM tickler_queues WHERE queue = %(queue)s), FALSE) AS p
 ), expired AS (
     SELECT id, priority, run_at, group_name FROM tickler_requests
