@@ -449,29 +449,41 @@ FROM want CROSS JOIN LATERAL (
 WHERE want.n > 1 OR (want.n = 1 AND want.run_at > %(now)s)
 """  # noqa: S608 (constants only)
 
-# A limited claim's rows, by id, and a start recorded for each of a rated group, and its
-# rescues recorded and counted (as _CLAIM's): one statement, whose answer may be read once
-# the batch has committed.
-_CLAIM_PICKED = f"""
-WITH claimed AS (
-    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
-        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL,
-        {RESCUE_SETS.format(now="%(now)s")}
-    WHERE id = ANY(%(ids)s::int8[]) AND ({_READY}
-        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
-            AND NOT cancel_requested))
-    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name,
-        {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
-), started AS (
-    INSERT INTO tickler_starts (queue, group_name, started_at)
-    SELECT %(queue)s, group_name, %(now)s FROM claimed
-    WHERE group_name = ANY(%(rated)s::text[])
-), counted AS (
+# A claim's rescues counted by reason, from its CTE claimed (_CLAIM, _CLAIM_PICKED,
+# _CLAIM_BY_GROUPS).
+_COUNTED = """counted AS (
     INSERT INTO tickler_rescues (queue, reason, count)
     SELECT %(queue)s, rescued_now, count(*) FROM claimed
     WHERE rescued_now IS NOT NULL GROUP BY rescued_now
     ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
-)
+)"""
+
+
+def _claimed(ids: str) -> str:
+    """The CTE claimed of a limited claim: the rows of ``ids`` (SQL of an int8[]) still
+    ready, or running with a lease lapsed (not this owner's, not asked to cancel), claimed
+    and their rescues recorded; each as Dialect.claim gives it, and its group."""
+    return f"""claimed AS (
+    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
+        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL,
+        {RESCUE_SETS.format(now="%(now)s")}
+    WHERE id = ANY({ids}) AND ({_READY}
+        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
+            AND NOT cancel_requested))
+    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name,
+        {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
+)"""  # noqa: S608 (constants only)
+
+
+# A limited claim's rows, by id, and a start recorded for each of a rated group, and its
+# rescues recorded and counted (as _CLAIM's): one statement, whose answer may be read once
+# the batch has committed.
+_CLAIM_PICKED = f"""
+WITH {_claimed("%(ids)s::int8[]")}, started AS (
+    INSERT INTO tickler_starts (queue, group_name, started_at)
+    SELECT %(queue)s, group_name, %(now)s FROM claimed
+    WHERE group_name = ANY(%(rated)s::text[])
+), {_COUNTED}
 SELECT id, request, attempts, key, enqueued_at, run_at, priority, rescued_now FROM claimed
 """  # noqa: S608 (constants only)
 
@@ -558,26 +570,12 @@ WITH RECURSIVE {_HEADS}, paused AS (
     ) AS ranked LEFT JOIN room ON room.name = ranked.group_name
     WHERE (ranked.group_name IS NULL OR ranked.k <= room.n) AND NOT (SELECT p FROM paused)
     ORDER BY ranked.priority DESC, ranked.run_at, ranked.id LIMIT %(limit)s
-), claimed AS (
-    UPDATE tickler_requests SET state = 'running', owner = %(owner)s,
-        lease_until = %(lease_until)s, attempts = attempts + 1, started_at = NULL,
-        {RESCUE_SETS.format(now="%(now)s")}
-    WHERE id = ANY(ARRAY(SELECT id FROM picked)) AND ({_READY}
-        OR (state = 'running' AND lease_until < %(now)s AND owner <> %(owner)s
-            AND NOT cancel_requested))
-    RETURNING id, request, attempts, key, enqueued_at, run_at, priority, group_name,
-        {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
-), started AS (
+), {_claimed("ARRAY(SELECT id FROM picked)")}, started AS (
     INSERT INTO tickler_starts (queue, group_name, started_at)
     SELECT %(queue)s, claimed.group_name, %(now)s
     FROM claimed JOIN room ON room.name = claimed.group_name
     WHERE room.rated
-), counted AS (
-    INSERT INTO tickler_rescues (queue, reason, count)
-    SELECT %(queue)s, rescued_now, count(*) FROM claimed
-    WHERE rescued_now IS NOT NULL GROUP BY rescued_now
-    ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
-), taken AS (
+), {_COUNTED}, taken AS (
     SELECT group_name, count(*) AS n FROM claimed GROUP BY group_name
 ), blocked AS (
     SELECT room.name FROM room LEFT JOIN taken ON taken.group_name = room.name
@@ -684,12 +682,7 @@ WHERE t.id = ANY(ARRAY(
 ))
 RETURNING t.id, t.request, t.attempts, t.key, t.enqueued_at, t.run_at, t.priority,
     {RESCUE_RETURNED.format(now="%(now)s")} AS rescued_now
-), counted AS (
-    INSERT INTO tickler_rescues (queue, reason, count)
-    SELECT %(queue)s, rescued_now, count(*) FROM claimed
-    WHERE rescued_now IS NOT NULL GROUP BY rescued_now
-    ON CONFLICT (queue, reason) DO UPDATE SET count = tickler_rescues.count + excluded.count
-)
+), {_COUNTED}
 SELECT * FROM claimed
 """  # noqa: S608 (constants only)
 
