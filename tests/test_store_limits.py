@@ -579,7 +579,8 @@ def test_postgres_claims_group_by_group_in_one_statement_as_the_walk_does(
             session._pipeline.sync()
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(session, "claims_by_groups", at_once)
+            if not at_once:
+                patch.setattr(session, "claim_by_groups", None)
             patch.setattr(session, "commit", roll_back)
             session.limited_memo["jobs"] = _sql.LimitedMemo(groups=1)
             result = run(session, Batch(claim=size, limits=limits))

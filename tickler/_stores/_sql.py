@@ -345,28 +345,19 @@ class Dialect(Protocol):
         claimed, as Dialect.claim gives them, are read by calling."""
         ...
 
-    claims_by_groups: bool
-    """Whether claim_by_groups() may be called."""
-
-    def claim_by_groups(
-        self,
-        queue: str,
-        owner: str,
-        lease_until: float,
-        now: float,
-        limit: int,
-        limits: Limits,
-        cap: int,
-    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
-        """claim_limited's claim group by group in one statement: up to ``limit`` rows, as
-        _walk picks them from every group's first due rows, the due rows of no group and the
-        lapsed leases, each group's room taken from its running rows and its recorded starts
-        at ``now`` (nothing while the queue is paused), a start recorded for each row
-        claimed of a rated group. Read by calling: the rows claimed, as Dialect.claim gives
-        them; how many due ready rows of the groups left at their limit wait, counted no
-        further than ``cap``; those groups; how many groups have ready rows; and what
-        due_and_live() answers after the claim, but for the next due time where due rows
-        wait for their group's limit (then None: see BatchResult.next_due)."""
+    @property
+    def claim_by_groups(self) -> ClaimByGroups | None:
+        """claim_limited's claim group by group in one statement, where the store has one:
+        called with (queue, owner, lease_until, now, limit, limits, cap), it claims up to
+        ``limit`` rows, as _walk picks them from every group's first due rows, the due rows
+        of no group and the lapsed leases, each group's room taken from its running rows and
+        its recorded starts at ``now`` (nothing while the queue is paused), a start recorded
+        for each row claimed of a rated group. Read by calling: the rows claimed, as
+        Dialect.claim gives them; how many due ready rows of the groups left at their limit
+        wait, counted no further than ``cap``; those groups; how many groups have ready rows;
+        and what due_and_live() answers after the claim, but for the next due time where due
+        rows wait for their group's limit (then None: see BatchResult.next_due). None: the
+        store reads and walks in claim_limited."""
         ...
 
     def group_candidates(
@@ -1088,6 +1079,11 @@ def report(
 Limits = Mapping[str, tuple[int | None, int | None, float]]
 # What Dialect.due_and_live answers, read by calling: (next due time, live, paused).
 DueAndLive = Callable[[], tuple[float | None, int, bool]]
+# Dialect.claim_by_groups.
+ClaimByGroups = Callable[
+    [str, str, float, float, int, Limits, int],
+    Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]],
+]
 
 # Besides the rows a limited claim asks for, how many more its first look reads in claim
 # order, whatever their group: past that many rows of groups at their limit, the claim
@@ -1379,13 +1375,14 @@ def _claim_at_once(
     Read as claim_limited's; with it, what Dialect.due_and_live answers, read once the
     claim's rows are. None where it does not claim so."""
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
-    if not d.claims_by_groups or memo.groups is None or memo.groups > limit + CHUNK_EXTRA:
+    claim_by_groups = d.claim_by_groups
+    if claim_by_groups is None or memo.groups is None or memo.groups > limit + CHUNK_EXTRA:
         return None
     window = _window(limits)
     if window > 0:
         d.execute(d.statements.prune_starts, (queue, now - window))
     # serves: pg drain, grouped: reads, walk and claim in one statement.
-    at_once = d.claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
+    at_once = claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
     due: list[tuple[float | None, int, bool]] = []
 
     def read() -> tuple[list[Claimed], int]:

@@ -1490,8 +1490,6 @@ class PostgresSession:
 
     # serves: pg drain, grouped: a limited claim group by group in one statement, which
     # goes out with the COMMIT (see _CLAIM_BY_GROUPS).
-    claims_by_groups = True
-
     def claim_by_groups(
         self,
         queue: str,

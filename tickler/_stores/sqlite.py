@@ -14,7 +14,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1063,19 +1063,7 @@ class SqliteSession:
         return rows.copy
 
     # SQLite answers each statement as it is asked: claim_limited reads and walks here.
-    claims_by_groups = False
-
-    def claim_by_groups(
-        self,
-        queue: str,
-        owner: str,
-        lease_until: float,
-        now: float,
-        limit: int,
-        limits: Mapping[str, tuple[int | None, int | None, float]],
-        cap: int,
-    ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
-        raise NotImplementedError("claims_by_groups is False")
+    claim_by_groups = None
 
     def group_candidates(
         self, queue: str, now: float, rooms: Sequence[tuple[str, int]], default_room: int
