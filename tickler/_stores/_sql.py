@@ -508,6 +508,9 @@ def _claim(
     write_limits(d, queue, limits)
     if not batch.claim:
         return None, None
+    window = _window(limits)
+    if window > 0:  # the starts no window counts any more, whichever way it claims
+        d.execute(d.statements.prune_starts, (queue, now - window))
     read, due_and_live = _claim_at_once(
         d, queue, owner, lease, batch.claim, limits, now
     ) or claim_limited(d, queue, owner, lease, batch.claim, limits, now)
@@ -1288,16 +1291,13 @@ def claim_limited(
     where that reads few rows, asks for each group's first rows with the counts, as many
     as its limits could ever let start at once, before its room is known. No backlog of a
     blocked group is read past those rows. The start of each claimed row of a rate-limited
-    group is recorded, and starts older than the longest window deleted. The statements
+    group is recorded (_claim deleted the starts older than the longest window). The statements
     are asked in as few round trips as their answers allow: a store that pipelines them
     (PostgreSQL) waits for the server once or twice before the claim, which goes with the
     batch's commit (or, where it can, all in one statement: see _claim_at_once).
     """
     x, sql = d.execute, d.statements
     memo = d.limited_memo.setdefault(queue, LimitedMemo())
-    window = _window(limits)
-    if window > 0:
-        x(sql.prune_starts, (queue, now - window))
     size = limit + CHUNK_EXTRA
     seen = memo.groups if memo.groups is not None else size + 1  # groups, at the last claim
     by_groups = seen <= size
@@ -1378,9 +1378,6 @@ def _claim_at_once(
     claim_by_groups = d.claim_by_groups
     if claim_by_groups is None or memo.groups is None or memo.groups > limit + CHUNK_EXTRA:
         return None
-    window = _window(limits)
-    if window > 0:
-        d.execute(d.statements.prune_starts, (queue, now - window))
     # serves: pg drain, grouped: reads, walk and claim in one statement.
     at_once = claim_by_groups(queue, owner, now + lease, now, limit, limits, LIMITED_EXACT)
     due: list[tuple[float | None, int, bool]] = []
