@@ -1500,7 +1500,7 @@ class PostgresSession:
         limits: Mapping[str, tuple[int | None, int | None, float]],
         cap: int,
     ) -> Callable[[], tuple[list[Claimed], int, list[str], int, tuple[float | None, int, bool]]]:
-        named = [(group, limit) for group, limit in limits.items() if group != "*"]
+        named = [(group, setting) for group, setting in limits.items() if group != "*"]
         default = limits.get("*")
         params = {
             "queue": queue,
