@@ -734,11 +734,17 @@ class _Engine(Generic[RequestT, ResultT]):
         self._paused = paused
         self._start_cap = 0 if paused else self._capacity
         if paused:
-            for ticket in self._handed.values():
-                self._doomed.add(ticket)
-                self._intake.deferred.add(ticket)
+            self._hand_back_unstarted()
         else:
             self._tickle()
+
+    def _hand_back_unstarted(self) -> None:
+        """Every request handed to a processor that has not started it goes back first in
+        line, unstarted, as its processor comes to start it (see _not_started): on a pause,
+        and when the cap is lowered below what is in flight."""
+        for ticket in self._handed.values():
+            self._doomed.add(ticket)
+            self._intake.deferred.add(ticket)
 
     def _log_dequeued(self, ticket: Ticket[RequestT, ResultT]) -> None:
         state = ticket._state
@@ -852,7 +858,8 @@ class _Engine(Generic[RequestT, ResultT]):
             self._doomed.discard(ticket)
             deferred = self._intake.deferred
             if ticket in deferred:
-                # A pause came between its hand-over and its start.
+                # A pause, or a cap lowered below what was in flight, came
+                # between its hand-over and its start.
                 deferred.discard(ticket)
                 self._intake.put_back(ticket, now)
             else:

@@ -220,8 +220,9 @@ class Service(_Engine[RequestT, ResultT]):
         """The cap on attempts in flight; settable at run time to an int >= 1.
 
         Raising it starts waiting requests at once. Lowering it cancels
-        nothing: new starts wait until fewer than the new cap are in flight.
-        Set it from the Trio thread.
+        nothing: new starts wait until fewer than the new cap are in flight,
+        and a request given a slot whose handler has not begun goes back first
+        in line, to start under the new cap. Set it from the Trio thread.
 
         Raises:
             RuntimeError: set from a thread other than the one running the
@@ -236,8 +237,13 @@ class Service(_Engine[RequestT, ResultT]):
             raise RuntimeError(
                 f"capacity of service {self.name!r} must be set from the thread running it"
             )
+        lowered = value < self._capacity
         self._limiter.total_tokens = self._capacity = value
         self._start_cap = 0 if self._paused else value
+        if lowered and self._in_flight > value:
+            # The slots already given (borrowed tokens) outnumber the new cap: what has not
+            # started goes back, and the loop gives slots again under the new cap.
+            self._hand_back_unstarted()
         self._tickle()
 
     @property
