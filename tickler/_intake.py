@@ -566,20 +566,28 @@ class Intake:
             self.room.unpark()
 
     @trio.lowlevel.enable_ki_protection
-    def release_key(self, ticket: Ticket[Any, Any]) -> None:
+    def release_key(self, ticket: Ticket[Any, Any], running: bool = False) -> None:
         """Free the key of a request about to become final, and forget its priority.
 
         Freed before the request is marked final: an enqueue that finds the
         key still taken gets a ticket that was live when it looked. A key
         enqueued with unique_for stays held by this ticket until its time
-        is up (see holder).
+        is up (see holder). ``running``: a running attempt taken away
+        (cancel()), which holds its group's slot until it ends: its group is
+        forgotten then, when its end comes here again.
         """
         engine = self.engine
         groups = engine._groups
+        grouped = False
         if groups is not None and groups.group_of:
-            groups.forget(ticket)  # (before the lock: it may hand the group's next one on)
+            if running and ticket in groups.group_of:
+                grouped = True
+            else:
+                groups.forget(ticket)  # (before the lock: it may hand the group's next one on)
         with engine._lock:
             key = self.key_of.pop(ticket, _MISSING)
+            if grouped:
+                self.key_of[ticket] = _UNKEYED  # the attempt's end finds it here (see above)
             if key is _MISSING:
                 return
             if self.priority_of:

@@ -418,8 +418,9 @@ class Outcomes:
                     assert attempt.scope is not None
                     attempt.scope.cancel()
                     # Its key is free from now: a replacement enqueued next
-                    # is a request of its own.
-                    engine._intake.release_key(running)
+                    # is a request of its own. Its group's slot is not, until
+                    # the attempt ends.
+                    engine._intake.release_key(running, running=True)
                 return True
         # Handed to a processor that has not started it: it never starts.
         if ticket is not None:
