@@ -987,7 +987,10 @@ class _Engine(Generic[RequestT, ResultT]):
                                 # A deadline, or a store that may take it away.
                                 result = await self._scoped(ticket, awaitable, now, withdrawable)
                         except Exception as exc:
-                            outcomes.attempt_failed(ticket, exc, offset + timer(), context)
+                            # Read afresh, as on success: the next request this processor
+                            # takes starts now (a group's rate records its start then).
+                            now = offset + timer()
+                            outcomes.attempt_failed(ticket, exc, now, context)
                             if withdrawable.cancel_called:
                                 await trio.lowlevel.checkpoint()  # taken away: this ends
                         except BaseException as exc:
