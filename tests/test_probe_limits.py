@@ -2,8 +2,8 @@
 
 In memory in virtual time (``autojump_clock``); with a store against a real
 SQLite file and a real PostgreSQL schema, in real time with small numbers.
-Tests marked ``xfail(strict=True)`` expose a defect: their reason says what
-docs/limits.md promises and what happens instead. The others held up.
+The tests under "in memory: defects" each showed a defect the probes found, now
+fixed: their docstrings give the scenario.
 """
 
 from __future__ import annotations
@@ -107,30 +107,12 @@ async def cancel_with_cleanup() -> None:
     assert most == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in memory, cancel() of a running attempt frees its group's concurrency slot at"
-    " once (Outcomes.cancel_found -> Intake.release_key -> Groups.forget -> Groups.ended),"
-    " not when the attempt ends: the group's next request starts while the cancelled"
-    " attempt still runs (it is still in flight and holds a capacity slot), so a group with"
-    " concurrency=1 runs two attempts at once; docs/limits.md: 'In flight is an attempt"
-    " from its start to its end' and 'concurrency bounds the attempts of one group in"
-    " flight at once'",
-)
 async def test_cancel_of_a_running_attempt_keeps_its_group_slot_until_it_ends(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     await cancel_with_cleanup()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in memory, a group held by its rate picks the request to wake when the window"
-    " frees up (Groups.pump puts the held head in the timer heap) at the moment it is"
-    " held, and a request of higher priority of the same group that arrives meanwhile"
-    " waits a whole window behind it; docs/limits.md: 'When its group frees up, it starts"
-    " in priority order, then in the order it became ready, within its group'",
-)
 async def test_rate_held_group_starts_its_highest_priority_first(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -150,15 +132,6 @@ async def test_rate_held_group_starts_its_highest_priority_first(
     assert log == [(0.0, "low0"), (1.0, "high"), (2.0, "low1")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in memory, the request a rate-held group wakes goes from the timer heap to the"
-    " ready heap ranked as ready since its wake time (_Engine._rank_due gives every due"
-    " entry its due time), not since its enqueue: a request of the same group and priority"
-    " enqueued after it, but before its wake time, is taken first and starts a whole window"
-    " ahead of it; docs/limits.md: 'it starts in priority order, then in the order it"
-    " became ready, within its group'",
-)
 async def test_rate_held_group_starts_in_the_order_its_requests_became_ready(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -181,15 +154,6 @@ async def test_rate_held_group_starts_in_the_order_its_requests_became_ready(
     assert log == [(0.0, "a1"), (0.0, "x"), (2.0, "a2"), (3.0, "a3")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in memory, a processor whose attempt failed (an error, or a timeout) takes the"
-    " next request with the time its failed attempt started (_Engine._process refreshes"
-    " `now` after a success only), and Groups.admit records the rate start at that stale"
-    " time: the window it opens has already passed, so the group starts again at once; with"
-    " rate=1 per 1 s two attempts of one group start at t=1; docs/limits.md: 'rate bounds"
-    " the attempts one group starts within any window of per seconds'",
-)
 @pytest.mark.parametrize("how", ["raises", "times out"])
 async def test_a_failed_attempt_does_not_let_a_group_exceed_its_rate(
     autojump_clock: trio.abc.Clock, how: str
@@ -278,9 +242,8 @@ async def test_lowering_the_cap_sends_back_grouped_requests_given_a_slot(
             if lowered:
                 assert all(n <= cap for n, c in seen if c == cap), seen
         assert (most["a"], most["b"], most["c"]) == (1, 1, 1)
-        for group in ("a", "b", "c"):  # (r: see test_rate_held_group_starts_in_the_order...)
+        for group in ("a", "b", "c", "r"):
             assert [n for _, g, n in sorted(started) if g == group] == [0, 1, 2, 3]
-        assert sorted(n for _, g, n in started if g == "r") == [0, 1, 2, 3]
         rated = [at for at, g, _ in started if g == "r"]
         for at in rated:
             assert sum(1 for other in rated if at <= other < at + 3.0) <= 2, rated
@@ -378,8 +341,7 @@ options = st.fixed_dictionaries(
     {
         "capacity": st.integers(min_value=1, max_value=4),
         "max_queue_length": st.sampled_from([None, None, 6]),
-        # (No timeout: a timed-out attempt is a failure after time has passed, which
-        # test_a_failed_attempt_does_not_let_a_group_exceed_its_rate shows breaks rates.)
+        "timeout": st.sampled_from([None, None, 0.75, 2.0]),
         "retry": st.one_of(
             st.none(),
             st.builds(
@@ -459,15 +421,12 @@ def run_limits_scenario(
             ):
                 over.append((group, running[group], attempt.start))
             try:
-                if me.attempts <= failures:
-                    # At once: a failure after time has passed breaks rates (see
-                    # test_a_failed_attempt_does_not_let_a_group_exceed_its_rate).
-                    await trio.lowlevel.checkpoint()
-                    raise ValueError("planned failure")
                 if behaviour == "stops":
                     with contextlib.suppress(tickler.ServiceClosed):
                         await service.stop(drain=number % 2 == 0, timeout=5)
                 await trio.sleep(duration)
+                if me.attempts <= failures:
+                    raise ValueError("planned failure")  # after its time, as work fails
                 return int(number)
             finally:
                 running[group] -= 1
@@ -647,11 +606,6 @@ def run_limits_scenario(
                 ready_at[x.id],
                 x.id,
             )
-            limit = limit_of(group_of[x.id])
-            if limit is not None and limit.rate is not None:
-                # See test_rate_held_group_starts_its_highest_priority_first and
-                # test_rate_held_group_starts_in_the_order_its_requests_became_ready.
-                continue
             if ahead and ready_at[y.id] < x.start < y.start:
                 problems.append(f"{x} of {group_of[x.id]} started before {y}")
         assert not problems, problems

@@ -104,8 +104,8 @@ class Groups:
     # Requests held because their group is at its limit, in ready order.
     held: dict[str, list[Entry]] = attrs.Factory(dict)
     # For a group held by its rate: the request waiting in the engine's timer
-    # heap until the window lets the group start again.
-    wakes: dict[str, Ticket[Any, Any]] = attrs.Factory(dict)
+    # heap until the window lets the group start again, as it was held.
+    wakes: dict[str, Entry] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self.default = self.limits.get("*")
@@ -167,8 +167,22 @@ class Groups:
     def admit(self, entry: Entry, group: str, now: float) -> bool:
         """Start ``entry``'s request if its group allows it now (True); else hold it."""
         ticket = entry[3]
-        if self.wakes.get(group) is ticket:
+        wake = self.wakes.get(group)
+        if wake is not None:
+            held = self.held.setdefault(group, [])
+            if wake[3] is not ticket:
+                # The group's next start is decided when the request waiting for its
+                # window wakes (below): until then, another of the group waits held.
+                heapq.heappush(held, entry)
+                return False
+            # The group's window lets it start again: the request that waited for it goes
+            # back among the held, ranked as when it was held (not since its wake), and
+            # the first of them goes on, which may be one that came since (enqueued
+            # earlier, or of a higher priority).
             del self.wakes[group]
+            heapq.heappush(held, wake)
+            self.pump(group, now)
+            return False
         if self.blocked_until(group, now) is not None:
             heapq.heappush(self.held.setdefault(group, []), entry)
             self.pump(group, now)
@@ -200,7 +214,7 @@ class Groups:
             engine._tickle()
         elif until < math.inf:
             entry = heapq.heappop(held)
-            self.wakes[group] = entry[3]
+            self.wakes[group] = entry
             heapq.heappush(engine._heap, (until, next(engine._heap_seq), entry[3]))
             engine._tickle()  # the loop's timer must now wake by then
         if not held:
@@ -226,7 +240,10 @@ class Groups:
         """A request became final: it belongs to no group any more."""
         self.ended(ticket)
         group = self.group_of.pop(ticket, None)
-        if group is not None and self.wakes and self.wakes.get(group) is ticket:
+        if group is None or not self.wakes:
+            return
+        wake = self.wakes.get(group)
+        if wake is not None and wake[3] is ticket:
             del self.wakes[group]  # cancelled in the timer heap: the next one wakes instead
             now = self.engine._time()
             if now is not None:
