@@ -252,6 +252,38 @@ async def test_lowering_the_cap_sends_back_grouped_requests_given_a_slot(
     assert lowered > 0
 
 
+async def test_a_request_sent_back_unstarted_has_used_its_rate_start(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """In memory a rate's start is counted when a slot is given (docs/limits.md): a
+    request given one and sent back by a pause before its handler began starts only
+    once the window of that start has passed, however soon the pause ends."""
+    log: list[tuple[float, str]] = []
+
+    async def handler(name: str) -> None:
+        log.append((trio.current_time(), name))
+
+    limits = {"r": tickler.Limit(rate=1, per=10.0)}
+    sent_back = 0
+    for _ in range(10):
+        log.clear()
+        async with tickler.open_service(handler, capacity=1, limits=limits) as service:
+            given_at = trio.current_time()
+            plain(service.enqueue_request, "r1", group="r")
+            while service.statistics().in_flight < 1 and not log:
+                await trio.lowlevel.checkpoint()  # until a slot is given: its start counts
+            if log:
+                continue  # its handler began at once: this round shows nothing
+            service.pause()
+            await trio.sleep(1)
+            assert service.statistics().in_flight == 0  # sent back unstarted
+            service.resume()
+            await trio.sleep(20)
+            sent_back += 1
+        assert log == [(given_at + 10.0, "r1")]
+    assert sent_back > 0
+
+
 @pytest.mark.parametrize("drain", [True, False])
 async def test_a_stop_from_a_handler_while_its_group_holds_requests(
     autojump_clock: trio.abc.Clock, drain: bool
