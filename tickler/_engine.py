@@ -987,9 +987,7 @@ class _Engine(Generic[RequestT, ResultT]):
                                 # A deadline, or a store that may take it away.
                                 result = await self._scoped(ticket, awaitable, now, withdrawable)
                         except Exception as exc:
-                            # Read afresh, as on success: the next request this processor
-                            # takes starts now (a group's rate records its start then).
-                            now = offset + timer()
+                            now = offset + timer()  # afresh, as on success: a rate counts from it
                             outcomes.attempt_failed(ticket, exc, now, context)
                             if withdrawable.cancel_called:
                                 await trio.lowlevel.checkpoint()  # taken away: this ends
