@@ -7,7 +7,8 @@ tenth from one run to the next on a shared machine; this times the store alone, 
 time, which moves far less. Each row drains ``n`` requests through the store's session
 (``PostgresSession.run``, what the service's loop calls once per wake-up) with no
 service: each batch writes the previous batch's claims as succeeded and claims the next
-``batch``. The requests are written as the drain writes them, and the table is vacuumed
+``batch``. The requests are written by the drain's own insert (bench/pg_worker.py:
+COPY, or ``enqueue_many_in`` for groups), and the table is vacuumed
 and analyzed and the server checkpointed before the first batch. The rows:
 
 - *ungrouped, 100 a batch*: what a grouped batch is compared with;
@@ -36,10 +37,10 @@ import psycopg
 import tickler
 from tickler._stores._seam import Batch, Claimed
 
+from .pg_worker import QUEUE, tickler_insert
 from .postgres import DEFAULT_DSN, DSN_ENV, open_database
 
 SCHEMA = "tickler_bench_batches"
-QUEUE = "bench"
 GROUPS = 100
 CHUNK = 10
 
@@ -58,22 +59,18 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _fill(dsn: str, n: int, grouped: bool, without_index: str | None) -> tickler.PostgresStore:
-    """A fresh schema holding ``n`` queued requests, as the drain writes them."""
+    """A fresh schema holding ``n`` queued requests, written by the drain's own insert."""
     with psycopg.connect(dsn, autocommit=True) as db:
         db.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
-    store = tickler.PostgresStore(dsn, schema=SCHEMA)
-    store.create_schema()
-    names = [f"g{g}" for g in range(GROUPS)]
-    with psycopg.connect(dsn) as db, db.transaction():
-        for turn, first in enumerate(range(0, n, CHUNK)):
-            group = names[turn % GROUPS] if grouped else None
-            store.enqueue_many_in(db, QUEUE, range(first, min(first + CHUNK, n)), group=group)
+    groups = GROUPS if grouped else 0
+    config = {"dsn": dsn, "schema": SCHEMA, "n": n, "groups": groups, "group_chunk": CHUNK}
+    tickler_insert(config)
     with psycopg.connect(dsn, autocommit=True) as db:
         if without_index is not None:
             db.execute(f'DROP INDEX "{SCHEMA}"."{without_index}"')
         db.execute(f'VACUUM ANALYZE "{SCHEMA}".tickler_requests')
         db.execute("CHECKPOINT")
-    return store
+    return tickler.PostgresStore(dsn, schema=SCHEMA)
 
 
 def measure(
