@@ -237,10 +237,9 @@ class Service(_Engine[RequestT, ResultT]):
             raise RuntimeError(
                 f"capacity of service {self.name!r} must be set from the thread running it"
             )
-        lowered = value < self._capacity
         self._limiter.total_tokens = self._capacity = value
         self._start_cap = 0 if self._paused else value
-        if lowered and self._in_flight > value:
+        if self._in_flight > value:
             # The slots already given (borrowed tokens) outnumber the new cap: what has not
             # started goes back, and the loop gives slots again under the new cap.
             self._hand_back_unstarted()
