@@ -385,6 +385,49 @@ async def test_bulk_cancel_asks_running_attempts_to_stop(backend: Backend) -> No
     assert len(started) == 2
 
 
+async def test_a_groups_running_rows_are_counted_paged_and_cancelled(backend: Backend) -> None:
+    """A group's running rows are found by every filter by group (PostgreSQL's index of a
+    group's rows holds none of them: they are read apart)."""
+    started: list[int] = []
+
+    async def forever(request: int) -> None:
+        started.append(request)
+        await trio.sleep_forever()
+
+    store = backend.store(poll_interval=0.1)
+    async with tickler.open_service(forever, store=store, name="jobs", capacity=2) as service:
+        tickets = [await service.submit(i, group="a" if i < 4 else "b") for i in range(6)]
+        ids = [ticket.id for ticket in tickets]
+        async with backend.store().admin() as admin:
+            with trio.fail_after(5):
+                while (await admin.counts("jobs"))["running"] < 2:
+                    await trio.sleep(0.02)
+            assert sorted(started) == [0, 1]  # group a's first two
+            assert await admin.count_where("jobs", group="a") == 4
+            assert await admin.count_where("jobs", group="a", state="running") == 2
+            assert await admin.count_where("jobs", group="b", state="running") == 0
+            page = await admin.requests("jobs", group="a")
+            assert [(row.id, row.state) for row in page.rows] == [
+                (ids[3], "queued"),
+                (ids[2], "queued"),
+                (ids[1], "running"),
+                (ids[0], "running"),
+            ]
+            running = await admin.requests("jobs", group="a", state="running")
+            assert [row.id for row in running.rows] == [ids[1], ids[0]]
+            assert await admin.cancel_where("jobs", group="a") == 4
+            assert await admin.cancel_where("jobs", group="a") == 0  # asked already, or final
+            for ticket in tickets[:4]:
+                with pytest.raises(tickler.RequestCancelled):
+                    await ticket.wait()
+            assert await admin.count_where("jobs", group="a", state="cancelled") == 4
+            assert await admin.count_where("jobs", group="b") == 2
+            assert await admin.cancel_where("jobs", group="b") == 2
+            for ticket in tickets[4:]:
+                with pytest.raises(tickler.RequestCancelled):
+                    await ticket.wait()
+
+
 async def test_the_overview_reads_counts_times_and_rates(backend: Backend) -> None:
     store = backend.store()
     async with tickler.open_service(Fails(), store=store, name="jobs", capacity=4) as service:

@@ -584,4 +584,71 @@ def test_a_postgres_schema_of_version_3_is_migrated(
         version = db.execute(
             f'SELECT version FROM "{postgres_schema}".tickler_schema'  # noqa: S608
         ).fetchone()
-    assert version == (6,)
+    assert version == (7,)
+
+
+def test_a_postgres_schema_of_version_6_is_migrated_to_an_index_of_groups_without_running_rows(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Version 7's tickler_by_group holds no running rows (a claim writes no entry into it):
+    the index as versions 4 to 6 built it is built again, the rows kept."""
+    import psycopg
+
+    from tickler._stores import postgres as postgres_store
+
+    from .test_store_scheduling import _POSTGRES_V1
+
+    def index() -> str:
+        with psycopg.connect(postgres_dsn, autocommit=True) as db:
+            row = db.execute(
+                "SELECT indexdef FROM pg_indexes WHERE schemaname = %s"
+                " AND indexname = 'tickler_by_group'",
+                (postgres_schema,),
+            ).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{postgres_schema}"')
+        connection.execute(f'SET search_path TO "{postgres_schema}"')
+        older = ";".join((_POSTGRES_V1, *(postgres_store._MIGRATIONS[v] for v in range(1, 6))))
+        for statement in postgres_store._statements(older):
+            connection.execute(statement)
+        # Version 4's index, as it was.
+        connection.execute(
+            "CREATE INDEX tickler_by_group ON tickler_requests (queue, group_name, state, id)"
+            " WHERE group_name IS NOT NULL"
+        )
+        connection.execute("UPDATE tickler_schema SET version = 6")
+        connection.execute(
+            "INSERT INTO tickler_requests (queue, state, request, run_at, enqueued_at, group_name)"
+            " VALUES ('jobs', 'queued', '\"r\"', 0, 0, 'g')"
+        )
+    assert "running" not in index()
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    assert index().endswith("WHERE ((group_name IS NOT NULL) AND (state <> 'running'::text))")
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        version = db.execute(
+            f'SELECT version FROM "{postgres_schema}".tickler_schema'  # noqa: S608
+        ).fetchone()
+        grouped = db.execute(
+            f'SELECT group_name, state FROM "{postgres_schema}".tickler_requests'  # noqa: S608
+            " WHERE group_name IS NOT NULL"
+        ).fetchall()
+    assert version == (7,)
+    assert grouped == [("g", "queued")]
+    fresh = f"{postgres_schema}_fresh"
+    tickler.PostgresStore(postgres_dsn, schema=fresh).create_schema()
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        defs = {
+            schema: str(row[0]).replace(f'"{schema}".', "").replace(f"{schema}.", "")
+            for schema in (postgres_schema, fresh)
+            for row in db.execute(
+                "SELECT indexdef FROM pg_indexes WHERE schemaname = %s"
+                " AND indexname = 'tickler_by_group'",
+                (schema,),
+            )
+        }
+        db.execute(f'DROP SCHEMA "{fresh}" CASCADE')
+    assert defs[postgres_schema] == defs[fresh]

@@ -531,3 +531,82 @@ async def test_a_replica_whose_clock_is_off_goes_by_the_servers_clock(
             ).fetchone()
         assert row is not None
         assert abs(row[0] - row[1]) < 1.0
+
+
+def test_the_admin_reads_a_group_on_its_indexes_in_plans_for_any_parameters(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """tickler_by_group holds no running rows (a claim writes no entry into it). Every read
+    of the admin API filtered by group names its state as a constant, so that a generic
+    plan (psycopg prepares a statement run five times) is proven to fit that index; a
+    group's running rows are read on the indexes that hold them."""
+    from tickler._stores import _admin
+
+    queue = store(postgres_dsn, postgres_schema)
+    queue.create_schema()
+    table = f'"{postgres_schema}".tickler_requests'
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        db.execute(
+            f"INSERT INTO {table} (queue, state, request, run_at, enqueued_at, group_name,"  # noqa: S608
+            " finished_at, owner, lease_until) SELECT 'jobs', s.state, 'null', 0, 0,"
+            " 'g' || (i % 100), CASE WHEN s.state IN ('succeeded', 'failed') THEN i END,"
+            " CASE WHEN s.state = 'running' THEN 'o' END,"
+            " CASE WHEN s.state = 'running' THEN 1e12 END"
+            " FROM generate_series(1, 20000) AS i, LATERAL (SELECT CASE"
+            " WHEN i % 500 = 0 THEN 'running' WHEN i % 3 = 0 THEN 'succeeded'"
+            " WHEN i % 7 = 0 THEN 'failed' ELSE 'queued' END AS state) AS s"
+        )
+        db.execute(f"ANALYZE {table}")
+    session = queue.connect()
+    asked: list[tuple[str, Any]] = []
+    run = session.execute
+
+    def spy(sql: str, params: Any = ()) -> Any:
+        asked.append((sql, params))
+        return run(sql, params)
+
+    session.execute = spy  # type: ignore[method-assign]
+    try:
+        filters = {
+            "page": lambda f: _admin._page(session, "jobs", f, None, 50),
+            "count": lambda f: _admin._count_where(session, "jobs", f),
+        }
+        asks = [(kind, state) for kind in filters for state in (None, "running", "failed")]
+        seen: dict[tuple[str, str | None], int] = {}
+        for kind, state in asks:
+            found = filters[kind](_admin._Filter.of(state, None, "g0"))
+            seen[kind, state] = len(found) if kind == "page" else found
+        # And the bulk actions, on the group g1 (none of whose rows run).
+        g1 = _admin._Filter.of(None, None, "g1")
+        waiting = _admin._count_where(session, "jobs", _admin._Filter.of("queued", None, "g1"))
+        failed_g1 = _admin._count_where(session, "jobs", _admin._Filter.of("failed", None, "g1"))
+        assert _admin._cancel_where(session, "jobs", g1) == waiting > 0
+        assert _admin._retry_where(session, "jobs", g1) == waiting + failed_g1
+        asks += [("count", "queued"), ("count", "failed"), ("cancel", None), ("retry", None)]
+        plans = []
+        with psycopg.connect(postgres_dsn, autocommit=True) as db:
+            db.execute(f'SET search_path TO "{postgres_schema}"')
+            db.execute("SET plan_cache_mode = force_generic_plan")
+            for number, (sql, params) in enumerate(asked):
+                parts = sql.split("%s")
+                numbered = "".join(f"{p}${i}" for i, p in enumerate(parts[:-1], 1)) + parts[-1]
+                db.execute(f"PREPARE asked{number} AS {numbered}")
+                cursor = psycopg.ClientCursor(db)
+                arguments = ", ".join(["%s"] * len(params))
+                cursor.execute(f"EXPLAIN EXECUTE asked{number}({arguments})", params)
+                plans.append((sql, "\n".join(row[0] for row in cursor.fetchall())))
+    finally:
+        session.close()
+    assert len(plans) == len(asks)
+    for sql, plan in plans:
+        assert "Seq Scan" not in plan, (sql, plan)
+        if "'running'" not in sql or "<>" in sql or "state IN" in sql:
+            # (tickler_groups: the ready rows by group, which the claims read.)
+            assert "tickler_by_group" in plan or "tickler_groups" in plan, (sql, plan)
+    # The group g0: rows 100, 200, ... of which 500, 1000, ... run.
+    rows = list(range(100, 20001, 100))
+    running = [i for i in rows if i % 500 == 0]
+    failed = [i for i in rows if i % 500 and i % 3 and i % 7 == 0]
+    assert (seen["count", None], seen["page", None]) == (len(rows), 50)
+    assert seen["count", "running"] == seen["page", "running"] == len(running) == 40
+    assert seen["count", "failed"] == seen["page", "failed"] == len(failed) > 0

@@ -36,6 +36,9 @@ _T = TypeVar("_T")
 STATES = ("queued", "scheduled", "running", "retrying", "succeeded", "failed", "cancelled")
 _LIVE = "state IN ('queued', 'scheduled', 'running', 'retrying')"
 _RETRYABLE = "state IN ('failed', 'cancelled')"
+_WAITING = "state IN ('queued', 'scheduled', 'retrying')"
+_RUNNING = "state = 'running'"
+_IDLE = "state <> 'running'"
 
 # The most rows a page holds.
 MAX_LIMIT = 500
@@ -220,12 +223,15 @@ class _Filter:
         )
 
     def where(self, m: str, queue: str) -> tuple[str, list[Any]]:
-        """The WHERE terms (after ``queue = ?``) and all their parameters."""
+        """The WHERE terms (after ``queue = ?``) and all their parameters.
+
+        The state is written in as a constant (one of STATES, checked): a plan made for
+        any parameters is then proven to fit a partial index of the store's (PostgreSQL's
+        tickler_by_group holds no running rows)."""
         terms = [f"queue = {m}"]
         params: list[Any] = [queue]
         if self.state is not None:
-            terms.append(f"state = {m}")
-            params.append(self.state)
+            terms.append(_state_is(self.state))
         if self.key is not None:
             terms.append(f"key = {m}")
             params.append(self.key)
@@ -233,6 +239,12 @@ class _Filter:
             terms.append(f"group_name = {m}")
             params.append(self.group)
         return " AND ".join(terms), params
+
+
+def _state_is(state: str) -> str:
+    """``state = '<state>'``, a constant: ``state`` is one of STATES."""
+    assert state in STATES, state
+    return f"state = '{state}'"
 
 
 # -- The SQL, run on the worker thread
@@ -288,9 +300,9 @@ def _page(d: AdminDialect, queue: str, f: _Filter, after: int | None, limit: int
         for state in STATES:
             parts.append(
                 "SELECT id FROM (SELECT id FROM tickler_requests"
-                f" WHERE {where} AND state = {m} ORDER BY id DESC LIMIT {m}) AS s"
+                f" WHERE {where} AND {_state_is(state)} ORDER BY id DESC LIMIT {m}) AS s"
             )
-            every += [*params, state, limit]
+            every += [*params, limit]
         ids = f"SELECT id FROM ({' UNION ALL '.join(parts)}) AS u ORDER BY id DESC LIMIT {m}"
         params = [*every, limit]
     sql = f"SELECT {_COLUMNS} FROM tickler_requests WHERE id IN ({ids}) ORDER BY id DESC"
@@ -299,23 +311,39 @@ def _page(d: AdminDialect, queue: str, f: _Filter, after: int | None, limit: int
 
 def _count_where(d: AdminDialect, queue: str, f: _Filter) -> int:
     where, params = f.where(d.mark, queue)
-    sql = f"SELECT count(*) FROM tickler_requests WHERE {where}"
+    if f.group is not None and f.state is None:
+        # A group's running rows and its others apart, each read on an index that holds
+        # them (tickler_by_group holds no running rows on PostgreSQL).
+        sql = (
+            f"SELECT (SELECT count(*) FROM tickler_requests WHERE {where} AND {_IDLE})"
+            f" + (SELECT count(*) FROM tickler_requests WHERE {where} AND {_RUNNING})"
+        )
+        params = [*params, *params]
+    else:
+        sql = f"SELECT count(*) FROM tickler_requests WHERE {where}"
     return int(d.execute(sql, params).fetchone()[0])
 
 
 def _cancel_where(d: AdminDialect, queue: str, f: _Filter) -> int:
     """One UPDATE: live rows that do not run end CANCELLED; running rows have their
-    cancel asked of their owner (those already asked are not counted again)."""
+    cancel asked of their owner (those already asked are not counted again).
+
+    The rows are picked by id, those that wait and those that run apart, each read on an
+    index that holds them; the UPDATE checks them again as it writes each."""
     m = d.mark
     where, params = f.where(m, queue)
+    live = f"{_LIVE} AND NOT (state = 'running' AND cancel_requested)"
     sql = (
         "UPDATE tickler_requests SET"
         " cancel_requested = CASE WHEN state = 'running' THEN TRUE ELSE cancel_requested END,"
         f" finished_at = CASE WHEN state = 'running' THEN finished_at ELSE {m} END,"
         " state = CASE WHEN state = 'running' THEN state ELSE 'cancelled' END"
-        f" WHERE {where} AND {_LIVE} AND NOT (state = 'running' AND cancel_requested)"
+        f" WHERE {live} AND id IN ("
+        f"SELECT id FROM tickler_requests WHERE {where} AND {_WAITING}"
+        f" UNION ALL SELECT id FROM tickler_requests WHERE {where} AND {_RUNNING}"
+        " AND NOT cancel_requested)"
     )
-    return _write(d, sql, lambda now: [now, *params], queue=None)
+    return _write(d, sql, lambda now: [now, *params, *params], queue=None)
 
 
 def _retry_sql(m: str, where: str) -> str:
