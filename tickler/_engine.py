@@ -84,10 +84,16 @@ _PRIORITY_0 = 0
 _CHAIN_BUDGET = 64
 
 # tuned (bench: histograms): a processor's run times (and as many wait times at most) are
-# counted once it parks or ends, or at a yield of its chain once it holds this many: counted
-# in bulk, the more at a time the cheaper each (a list of 64 at a time cost 0.5% of the burst
-# more than of 512), and no more than this are kept.
+# counted once it ends, parks holding _TALLY_PARKED, or at a yield of its chain once it holds
+# this many: counted in bulk, the more at a time the cheaper each (a list of 64 at a time cost
+# 0.5% of the burst more than of 512), and no more than this are kept.
 _TALLY_AT = 512
+
+# serves: pg drain, grouped: a parked processor's times are counted once it holds this many
+# (or as it ends, or at statistics()), not at each park: with a store, processors park after
+# each request, and counting one time at a time was 8% of the instructions a request cost
+# there. Few, so that the processors parked at once keep little (this many each).
+_TALLY_PARKED = 16
 
 
 @types.coroutine
@@ -911,8 +917,9 @@ class _Engine(Generic[RequestT, ResultT]):
         # priority is in it, and the intake releases it as it ends.
         key_of = self._intake.key_of
         # tuned (bench: histograms): each wait and run time is appended to this processor's
-        # lists, and counted in bulk (_tally) as the chain yields, parks or ends: an append costs
-        # a third of a count. statistics() counts what the lists hold (_times) first.
+        # lists, and counted in bulk (_tally) as the chain yields, parks (see _TALLY_PARKED) or
+        # ends: an append costs a third of a count. statistics() counts what the lists hold
+        # (_times) first.
         timed = self._histograms
         waits: list[float] = []
         runs: list[float] = []
@@ -1069,11 +1076,9 @@ class _Engine(Generic[RequestT, ResultT]):
                     self._tickle()
                     if self._debug:
                         self._log_slot_freed()
-                if timed:
-                    self._tally(waits, runs)
                 if ended:
-                    return
-                handed = await self._park()
+                    return  # (its times are counted below)
+                handed = await self._park(waits, runs)
                 if handed is None:
                     return
                 (ticket, slot), handed = handed, None
@@ -1129,11 +1134,17 @@ class _Engine(Generic[RequestT, ResultT]):
             self._capacity,
         )
 
-    async def _park(self) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
+    async def _park(
+        self, waits: list[float], runs: list[float]
+    ) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
         """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
 
-        At most `capacity` processors wait; the others exit at once.
+        At most `capacity` processors wait; the others exit at once. The processor's
+        wait and run times not counted yet (``waits``, ``runs``) are counted first if
+        there are _TALLY_PARKED of either (see _TALLY_PARKED).
         """
+        if len(waits) >= _TALLY_PARKED or len(runs) >= _TALLY_PARKED:
+            self._tally(waits, runs)
         idle = self._idle
         if not self._may_start or self._stopping.stop_called or len(idle) >= self._capacity:
             return None
