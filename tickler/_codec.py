@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -19,7 +20,12 @@ class Codec(Protocol):
 # with options builds a new encoder each time, which costs more than encoding a small request.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _ENCODE = _ENCODER.encode
-_DECODE = json.JSONDecoder().decode
+_DECODER = json.JSONDecoder()
+_DECODE = _DECODER.decode
+# serves: pg drain: the scanner JSONDecoder.decode calls (through raw_decode), called
+# directly: text with no whitespace around it, as JsonCodec writes it, is decoded without
+# the two regular-expression matches and two calls around the scan (see JsonCodec.decode).
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 
 
 def _c_encoder() -> Any:
@@ -81,7 +87,15 @@ class JsonCodec:
             ) from None
 
     def decode(self, data: bytes) -> Any:
-        return _DECODE(data.decode())
+        text = data.decode()
+        # serves: pg drain (a decode per claimed request): the scan from 0 is what _DECODE
+        # does when no whitespace leads; what it leaves over (whitespace or not) or cannot
+        # start on goes to _DECODE, which skips whitespace, or raises as it always did.
+        try:
+            obj, end = _SCAN(text, 0)
+        except StopIteration:
+            return _DECODE(text)
+        return obj if end == len(text) else _DECODE(text)
 
     def __repr__(self) -> str:
         return "tickler.JsonCodec()"
