@@ -450,14 +450,16 @@ class StoreSync:
     ) -> None:
         """Outcomes written: each ticket gets the state the store wrote (it decides)."""
         engine = self.engine
+        # serves: pg drain: what each outcome touches, looked up once a batch.
+        discard, forget, watched = self.local.discard, self.tickets.pop, self.watched
         for (kind, ticket, _, local), state in zip(outcomes, applied, strict=True):
             request_id = ticket.id
-            self.local.discard(request_id)
+            discard(request_id)
             if state is None:
                 if kind != "handed_back" and kind != "returned" and not ticket.done:
                     # The lease had gone: another process runs the request.
-                    self.tickets.pop(request_id, None)
-                    self.watched.setdefault(request_id, []).append(ticket)
+                    forget(request_id, None)
+                    watched.setdefault(request_id, []).append(ticket)
                     ticket.status = _QUEUED
                 continue
             if state == "retrying":
@@ -467,7 +469,7 @@ class StoreSync:
             if state == "queued":  # handed back
                 ticket.status = _QUEUED
                 continue
-            self.tickets.pop(request_id, None)
+            forget(request_id, None)
             if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
                 stopped = engine._stopping.stopped_tickets
                 if kind in ("handed_back", "returned") and ticket in stopped:
@@ -484,8 +486,9 @@ class StoreSync:
                 engine._outcomes.fail(ticket, exc, tb, now)
                 engine._outcomes.call_on_error(ticket, exc, context)
             # Tickets of this process that follow the same request (a live key).
-            for follower in self.watched.pop(request_id, ()):
-                engine._finish(follower, ticket.status, ticket._state)
+            if watched:  # serves: pg drain: mostly none, and then no lookup
+                for follower in watched.pop(request_id, ()):
+                    engine._finish(follower, ticket.status, ticket._state)
 
     def _follow_elsewhere(self, recent: list[int]) -> None:
         """Final in the store, and not by this process's hand: fetch the outcome at the next look.
@@ -503,15 +506,20 @@ class StoreSync:
         """Claimed rows become tickets in the engine's queue (unless a stop began meanwhile)."""
         engine = self.engine
         to_trio = now - wall_clock()
+        shift = result.shift
+        # serves: pg drain: what each row touches, looked up once a batch; and each row read
+        # by index, not unpacked into a list of its trailing columns.
+        tickets, local_add, decode = self.tickets, self.local.add, self.codec.decode
         taken: list[Ticket[Any, Any]] = []
-        for request_id, data, attempts, _, enqueued, *more in result.claimed:
-            if len(more) > 2 and more[2]:
-                self.rescued[more[2]] = self.rescued.get(more[2], 0) + 1
-            self.local.add(request_id)
-            known = self.tickets.get(request_id)
+        for row in result.claimed:
+            request_id, data, attempts, enqueued = row[0], row[1], row[2], row[4]
+            if len(row) > 7 and row[7]:  # rescued, and why
+                self.rescued[row[7]] = self.rescued.get(row[7], 0) + 1
+            local_add(request_id)
+            known = tickets.get(request_id)
             if known is None:
                 try:
-                    request = self.codec.decode(data)
+                    request = decode(data)
                 except Exception as exc:
                     known = Ticket(None, request_id, _RUNNING, attempts, now, now, _EMPTY)
                     why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
@@ -519,11 +527,11 @@ class StoreSync:
                     continue
                 # Enqueued in the store's time, by another process: on Trio's clock,
                 # no later than now (for the wait time histogram).
-                enqueued_at = min(now, enqueued - result.shift + to_trio)
+                enqueued_at = min(now, enqueued - shift + to_trio)
                 known = Ticket(
                     request, request_id, _QUEUED, attempts - 1, enqueued_at, None, _EMPTY
                 )
-                self.tickets[request_id] = known
+                tickets[request_id] = known
             else:
                 known.status = _QUEUED
                 known.attempts = attempts - 1
@@ -951,7 +959,12 @@ class StoreSync:
         late = bool(self.reasons) and self.reasons.pop(ticket.id, None) is not None
         if result is None:
             # What most handlers return: kept as NULL, read back as None.
-            self.record("succeeded", ticket, (None, wall_clock()), None)
+            engine = self.engine
+            if engine._tracer is None:  # serves: pg drain: what record() does here, untraced
+                self.outcomes.append(("succeeded", ticket, (None, wall_clock()), None))
+                engine._tickle()
+            else:
+                self.record("succeeded", ticket, (None, wall_clock()), None)
             return late
         try:
             data = self.codec.encode(result)
