@@ -163,13 +163,23 @@ class _Slot:
 
 
 class _Parked:
-    """A processor waiting for a start, and the start once the loop hands it over."""
+    """A processor waiting for a start, and the start once the loop hands it over.
 
-    __slots__ = ("handed", "task")
+    serves: pg drain, grouped: one for each processor, made once and used at each of
+    its parks (with a store, processors park after each request).
+    """
 
-    def __init__(self, task: trio.lowlevel.Task) -> None:
+    __slots__ = ("handed", "idle", "task")
+
+    def __init__(self, task: trio.lowlevel.Task, idle: list[_Parked]) -> None:
         self.task = task
+        self.idle = idle
         self.handed: tuple[Ticket[Any, Any], _Slot] | None = None
+
+    def abort(self, _: object) -> trio.lowlevel.Abort:
+        """A parked processor cancelled: it waits no more."""
+        self.idle.remove(self)
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class _Engine(Generic[RequestT, ResultT]):
@@ -911,6 +921,7 @@ class _Engine(Generic[RequestT, ResultT]):
         offset, handler, timeout, groups = self._offset, self._handler, self._timeout, self._groups
         heap, queue, lock, ready = self._heap, self._queue, self._lock, self._ready
         task = trio.lowlevel.current_task()
+        parked = _Parked(task, self._idle)  # (see _Parked)
         stored = self._store_run  # None for the in-memory engine
         outcomes = self._outcomes
         # The keys of live requests (the dict itself); a request with a key or a
@@ -1078,7 +1089,7 @@ class _Engine(Generic[RequestT, ResultT]):
                         self._log_slot_freed()
                 if ended:
                     return  # (its times are counted below)
-                handed = await self._park(waits, runs)
+                handed = await self._park(parked, waits, runs)
                 if handed is None:
                     return
                 (ticket, slot), handed = handed, None
@@ -1135,10 +1146,11 @@ class _Engine(Generic[RequestT, ResultT]):
         )
 
     async def _park(
-        self, waits: list[float], runs: list[float]
+        self, parked: _Parked, waits: list[float], runs: list[float]
     ) -> tuple[Ticket[RequestT, ResultT], _Slot] | None:
         """Wait, holding no slot, for the supervisor to hand over a start; None means exit.
 
+        ``parked`` is the processor's own (see _Parked), with no start in it.
         At most `capacity` processors wait; the others exit at once. The processor's
         wait and run times not counted yet (``waits``, ``runs``) are counted first if
         there are _TALLY_PARKED of either (see _TALLY_PARKED).
@@ -1148,15 +1160,10 @@ class _Engine(Generic[RequestT, ResultT]):
         idle = self._idle
         if not self._may_start or self._stopping.stop_called or len(idle) >= self._capacity:
             return None
-        parked = _Parked(trio.lowlevel.current_task())
         idle.append(parked)
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            idle.remove(parked)
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        return parked.handed
+        await trio.lowlevel.wait_task_rescheduled(parked.abort)
+        handed, parked.handed = parked.handed, None  # a parked processor keeps no request
+        return handed
 
     @trio.lowlevel.enable_ki_protection
     def _wake(self, waiting: Waiting | None) -> None:
