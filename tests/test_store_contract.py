@@ -721,13 +721,15 @@ def test_a_row_the_store_refuses_does_not_stop_the_rest_of_an_isolated_batch(
 # -- Processes: killed with SIGKILL, and three sharing one queue
 
 
-def enqueue(backend: Backend, requests: list[str]) -> None:
+def enqueue(backend: Backend, requests: list[str], due: float | None = None) -> None:
+    """The requests, due at once, or at the epoch time ``due``."""
     store = backend.store()
     store.create_schema()
+    delay = 0.0 if due is None else max(0.0, due - time.time())
     with backend.connect(autocommit=False) as connection:
         for request in requests:
             key = request if request == "blocker" else None
-            store.enqueue_in(connection, "jobs", request, key=key)
+            store.enqueue_in(connection, "jobs", request, key=key, delay=delay)
         connection.commit()
 
 
@@ -749,11 +751,13 @@ def test_a_worker_killed_mid_run_loses_nothing(backend: Backend, tmp_path: Path)
 def test_three_workers_share_one_queue(backend: Backend, tmp_path: Path) -> None:
     """10,000 requests run once each; keys de-duplicate across workers; a cancel crosses them."""
     log = tmp_path / "log"
-    enqueue(backend, [f"r{i}" for i in range(10_000)] + ["blocker"])
-    # The keyed requests fall due at one time for all three workers, late enough that each
-    # has enqueued its own while the others' are still live (a worker slow to start would
-    # otherwise find a key's first row already run, and make a second).
-    keys_due = str(time.time() + 5)
+    # Every request falls due at one time for all three workers, late enough that each has
+    # started by then, and has enqueued its keyed requests while the others' are still
+    # live (a worker slow to start would otherwise find a key's first row already run, and
+    # make a second; or find the 10,000 run by the other two, and take no part).
+    due = time.time() + 5
+    enqueue(backend, [f"r{i}" for i in range(10_000)] + ["blocker"], due)
+    keys_due = str(due)
     options = ("--capacity", "50", "--keys", "100", "--keys-due", keys_due, "--cancel-blocker")
     workers: list[subprocess.Popen[bytes]] = [
         worker(backend.worker_args(), log, *options) for _ in range(3)
