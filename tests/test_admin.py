@@ -362,13 +362,19 @@ async def test_bulk_cancel_retry_and_count_act_on_the_filter(backend: Backend) -
     assert len(a) + len(b) == 40
 
 
-async def test_bulk_cancel_asks_running_attempts_to_stop(backend: Backend) -> None:
-    started: list[int] = []
+class Forever:
+    """A handler that records each request it starts, and never returns."""
 
-    async def forever(request: int) -> None:
-        started.append(request)
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    async def __call__(self, request: int) -> None:
+        self.started.append(request)
         await trio.sleep_forever()
 
+
+async def test_bulk_cancel_asks_running_attempts_to_stop(backend: Backend) -> None:
+    forever = Forever()
     store = backend.store(poll_interval=0.1)
     async with tickler.open_service(forever, store=store, name="jobs", capacity=2) as service:
         tickets = [await service.submit(i) for i in range(5)]
@@ -382,18 +388,13 @@ async def test_bulk_cancel_asks_running_attempts_to_stop(backend: Backend) -> No
                 with pytest.raises(tickler.RequestCancelled):
                     await ticket.wait()
             assert await admin.count_where("jobs", state="cancelled") == 5
-    assert len(started) == 2
+    assert len(forever.started) == 2
 
 
 async def test_a_groups_running_rows_are_counted_paged_and_cancelled(backend: Backend) -> None:
     """A group's running rows are found by every filter by group (PostgreSQL's index of a
     group's rows holds none of them: they are read apart)."""
-    started: list[int] = []
-
-    async def forever(request: int) -> None:
-        started.append(request)
-        await trio.sleep_forever()
-
+    forever = Forever()
     store = backend.store(poll_interval=0.1)
     async with tickler.open_service(forever, store=store, name="jobs", capacity=2) as service:
         tickets = [await service.submit(i, group="a" if i < 4 else "b") for i in range(6)]
@@ -402,7 +403,7 @@ async def test_a_groups_running_rows_are_counted_paged_and_cancelled(backend: Ba
             with trio.fail_after(5):
                 while (await admin.counts("jobs"))["running"] < 2:
                     await trio.sleep(0.02)
-            assert sorted(started) == [0, 1]  # group a's first two
+            assert sorted(forever.started) == [0, 1]  # group a's first two
             assert await admin.count_where("jobs", group="a") == 4
             assert await admin.count_where("jobs", group="a", state="running") == 2
             assert await admin.count_where("jobs", group="b", state="running") == 0
