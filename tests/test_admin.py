@@ -645,3 +645,11 @@ def test_the_admin_needs_no_trio_run_to_be_made(tmp_path: Any) -> None:
     with sqlite3.connect(tmp_path / "q.db") as db:
         assert db.execute("SELECT queue, paused FROM tickler_queues").fetchall() == [("jobs", 1)]
     db.close()
+
+
+def test_a_state_is_written_into_the_sql_only_if_it_is_one_of_the_states() -> None:
+    from tickler._stores import _admin
+
+    assert _admin._state_is("failed") == "state = 'failed'"
+    with pytest.raises(ValueError, match=r"^state must be one of queued, "):
+        _admin._state_is("failed' OR '1' = '1")

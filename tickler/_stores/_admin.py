@@ -242,8 +242,10 @@ class _Filter:
 
 
 def _state_is(state: str) -> str:
-    """``state = '<state>'``, a constant: ``state`` is one of STATES."""
-    assert state in STATES, state
+    """``state = '<state>'``, a constant: ``state`` must be one of STATES (written into the
+    SQL, it is checked here even though every caller checked it already)."""
+    if state not in STATES:
+        raise ValueError(f"state must be one of {', '.join(STATES)}, not {state!r}")
     return f"state = '{state}'"
 
 
