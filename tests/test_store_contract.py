@@ -725,7 +725,7 @@ def enqueue(backend: Backend, requests: list[str], due: float | None = None) -> 
     """The requests, due at once, or at the epoch time ``due``."""
     store = backend.store()
     store.create_schema()
-    delay = 0.0 if due is None else max(0.0, due - time.time())
+    delay = None if due is None else max(0.0, due - time.time())
     with backend.connect(autocommit=False) as connection:
         for request in requests:
             key = request if request == "blocker" else None
