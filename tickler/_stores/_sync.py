@@ -959,12 +959,7 @@ class StoreSync:
         late = bool(self.reasons) and self.reasons.pop(ticket.id, None) is not None
         if result is None:
             # What most handlers return: kept as NULL, read back as None.
-            engine = self.engine
-            if engine._tracer is None:  # serves: pg drain: what record() does here, untraced
-                self.outcomes.append(("succeeded", ticket, (None, wall_clock()), None))
-                engine._tickle()
-            else:
-                self.record("succeeded", ticket, (None, wall_clock()), None)
+            self.record("succeeded", ticket, (None, wall_clock()), None)
             return late
         try:
             data = self.codec.encode(result)
