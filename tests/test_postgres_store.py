@@ -367,6 +367,19 @@ def test_the_claim_never_takes_an_expired_lease_whose_cancel_was_asked_for(
         connection.close()
 
 
+def statements_of(session: Any) -> list[tuple[str, Any]]:
+    """The (sql, params) of every statement the session runs through execute() from now on."""
+    asked: list[tuple[str, Any]] = []
+    run = session.execute
+
+    def spy(sql: str, params: Any = ()) -> Any:
+        asked.append((sql, params))
+        return run(sql, params)
+
+    session.execute = spy
+    return asked
+
+
 async def test_lookup_of_a_finished_request_by_key_reads_an_index(
     postgres_dsn: str, postgres_schema: str
 ) -> None:
@@ -382,14 +395,7 @@ async def test_lookup_of_a_finished_request_by_key_reads_an_index(
                 " FROM generate_series(1, 5000) AS i"
             )
             caller.execute(f"ANALYZE {table}")
-        asked: list[tuple[str, Any]] = []
-        run = connection.execute
-
-        def spy(sql: str, params: Any = ()) -> Any:
-            asked.append((sql, params))
-            return run(sql, params)
-
-        connection.execute = spy  # type: ignore[method-assign]
+        asked = statements_of(connection)
         found = connection.lookup("jobs", "k77")
         assert found is not None
         assert found.state == "succeeded"
@@ -559,14 +565,7 @@ def test_the_admin_reads_a_group_on_its_indexes_in_plans_for_any_parameters(
         )
         db.execute(f"ANALYZE {table}")
     session = queue.connect()
-    asked: list[tuple[str, Any]] = []
-    run = session.execute
-
-    def spy(sql: str, params: Any = ()) -> Any:
-        asked.append((sql, params))
-        return run(sql, params)
-
-    session.execute = spy  # type: ignore[method-assign]
+    asked = statements_of(session)
     try:
         filters: dict[str, Callable[[Any], int]] = {
             "page": lambda f: len(_admin._page(session, "jobs", f, None, 50)),
