@@ -167,7 +167,7 @@ def test_pause_and_resume_a_sqlite_queue(tmp_path: Path) -> None:
         assert session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed == []
         result = inspect("resume", url, "jobs")
         assert (result.returncode, result.stderr) == (0, "")
-        assert result.stdout == f"resumed queue 'jobs' of {url}: its services claim\n"
+        assert result.stdout == f"resumed queue 'jobs' of {url}: its services claim again\n"
         assert inspect("inspect", url).stdout.startswith("queue 'jobs': 1 queued, ")
         assert len(session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed) == 1
     finally:
@@ -237,7 +237,10 @@ def test_pause_and_resume_a_postgres_queue_without_showing_the_password(
         session.close()
     result = inspect("resume", url, "jobs", "--schema", postgres_schema)
     assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout.startswith(f"resumed queue 'jobs' of {shown_url} ")
+    assert result.stdout == (
+        f"resumed queue 'jobs' of {shown_url} (schema {postgres_schema!r}):"
+        " its services claim again\n"
+    )
     assert inspect("inspect", url, "--schema", postgres_schema).stdout.startswith(
         "queue 'jobs': 1 queued, "
     )
@@ -281,9 +284,9 @@ def _busy_groups(store: object, connect: object) -> None:
 
 _LIMITS_SHOWN = (
     "  limits by group: '*' concurrency 1; 'c' rate 5 per 2.5s\n"
-    "  group 'a': 1 running, 2 ready\n"
-    "  group 'b': 1 running, 1 ready\n"
-    "  group 'c': 1 running, 0 ready\n"
+    "  group 'a': 2 queued, 1 claimed\n"
+    "  group 'b': 1 queued, 1 claimed\n"
+    "  group 'c': 1 claimed\n"
 )
 
 
@@ -316,7 +319,7 @@ def test_inspect_shows_the_five_busiest_groups(tmp_path: Path) -> None:
     shown = inspect("inspect", f"sqlite:///{path}").stdout
     assert "limits" not in shown
     groups = [line for line in shown.splitlines() if line.startswith("  group ")]
-    assert groups == [f"  group 'g{n}': 0 running, {n + 1} ready" for n in range(7, 2, -1)]
+    assert groups == [f"  group 'g{n}': {n + 1} queued" for n in range(7, 2, -1)]
 
 
 def test_inspect_shows_a_postgres_queues_limits_and_busiest_groups(
@@ -334,3 +337,61 @@ def test_inspect_shows_a_postgres_queues_limits_and_busiest_groups(
     first, rest = result.stdout.split("\n", 1)
     assert first.startswith("queue 'jobs': 3 queued, 0 scheduled, 4 claimed, 0 running, ")
     assert rest == _LIMITS_SHOWN
+
+
+def _every_live_state(store: object, connect: object) -> None:
+    """Rows of group g in each live state: 4 queued, 2 scheduled, 1 claimed (not started),
+    1 running (started) and 1 retrying."""
+    import time
+
+    from tickler._stores._seam import Batch
+
+    with connect() as connection:  # type: ignore[operator]
+        store.enqueue_many_in(connection, "jobs", range(7), group="g")  # type: ignore[attr-defined]
+        store.enqueue_many_in(connection, "jobs", [7, 8], group="g", delay=3600)  # type: ignore[attr-defined]
+        connection.commit()
+    session = store.connect()  # type: ignore[attr-defined]
+    try:
+        claimed = [
+            row[0] for row in session.run("jobs", "me", 30.0, 86400.0, Batch(claim=3)).claimed
+        ]
+        retry = ("retrying", claimed[1], (time.time() + 3600, "E", "again", "tb"))
+        session.run("jobs", "me", 30.0, 86400.0, Batch(started=[claimed[0]], outcomes=[retry]))
+    finally:
+        session.close()
+
+
+_EVERY_STATE_SHOWN = (
+    "queue 'jobs': 4 queued, 2 scheduled, 1 claimed, 1 running, 1 retrying, 0 succeeded,"
+    " 0 failed, 0 cancelled\n"
+    "  group 'g': 4 queued, 2 scheduled, 1 claimed, 1 running, 1 retrying\n"
+)
+
+
+def test_inspect_names_each_state_of_a_sqlite_group(tmp_path: Path) -> None:
+    import contextlib
+
+    import tickler
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    _every_live_state(store, lambda: contextlib.closing(sqlite3.connect(path)))
+    result = inspect("inspect", f"sqlite:///{path}")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == _EVERY_STATE_SHOWN
+
+
+def test_inspect_names_each_state_of_a_postgres_group(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    import psycopg
+
+    import tickler
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    _every_live_state(store, lambda: psycopg.connect(postgres_dsn))
+    result = inspect("inspect", postgres_dsn, "--schema", postgres_schema)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == _EVERY_STATE_SHOWN

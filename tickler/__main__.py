@@ -2,7 +2,8 @@
 
 - ``inspect URL``: each queue's counts by status and latest failures,
   whether it is paused, its per-group limits if it has any, and its busiest
-  groups (the most running first, then the most ready).
+  groups (the most running first, then the most waiting), each with its
+  live rows by status (those it has).
 - ``pause URL QUEUE``: the queue's services, in every process, claim nothing
   more (what they run goes on) until ``resume URL QUEUE``.
 - ``cancel URL QUEUE ID_OR_KEY...``: cancel requests (a running one through
@@ -70,8 +71,9 @@ def _report(queues: dict[str, QueueReport]) -> str:
         if any(found.rescues.values()):
             rescued = ", ".join(f"{n} {reason}" for reason, n in found.rescues.items())
             lines.append(f"  rescued: {rescued}")
-        for group, running, ready in found.groups:
-            lines.append(f"  group {group!r}: {running} running, {ready} ready")
+        for group, by_state in found.groups:
+            shown = ", ".join(f"{n} {state}" for state, n in by_state.items() if n)
+            lines.append(f"  group {group!r}: {shown}")
         for request_id, attempts, error_type, message in found.failures:
             lines.append(
                 f"  failed #{request_id} after {attempts} attempt(s): {error_type}: {message}"
@@ -112,7 +114,9 @@ def set_paused_url(url: str, schema: str, queue: str, paused: bool) -> str:
             f"{redact(url, [url])!r} is neither a sqlite:/// URL nor a postgresql:// DSN"
         )
     done = "paused" if paused else "resumed"
-    more = "its services claim nothing until it is resumed" if paused else "its services claim"
+    more = (
+        "its services claim nothing until it is resumed" if paused else "its services claim again"
+    )
     return f"{done} queue {queue!r} of {where}: {more}"
 
 

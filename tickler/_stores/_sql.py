@@ -30,6 +30,8 @@ FINAL = ("succeeded", "failed", "cancelled")
 COUNTED = ("queued", "scheduled", "claimed", "running", "retrying", *FINAL)
 # The state statistics() counts a row under, as an SQL expression.
 COUNTED_STATE = "CASE WHEN state = 'running' AND started_at IS NULL THEN 'claimed' ELSE state END"
+# The live states among them: what a group's line of ``inspect`` counts.
+COUNTED_LIVE = tuple(state for state in COUNTED if state not in FINAL)
 
 # What each outcome sets, from the columns of a row v of its values: column1
 # is the id, then the outcome's values, then {now}, the transaction's time.
@@ -218,8 +220,9 @@ class Statements:
     """{queue, groups, now, cap} (named): as limited_count, counting no further than cap
     (the answer is then cap)."""
     busiest_groups: str
-    """(queue, limit): (group_name, running, ready) of the queue's groups with live rows,
-    the most running first, then the most ready, then by name."""
+    """(queue, limit): (group_name, then a count for each state of COUNTED_LIVE) of the
+    queue's groups with live rows, the most running (or claimed) first, then the most of
+    the other live states, then by name: as busiest_groups() writes it."""
 
 
 class Dialect(Protocol):
@@ -999,8 +1002,9 @@ class QueueReport:
     """Whether the queue is paused."""
     limits: dict[str, tuple[int | None, int | None, float]] | None = None
     """The limits the queue's last batch stored, if any."""
-    groups: list[tuple[str, int, int]] = attrs.Factory(list)
-    """The busiest groups: (group, running, ready), the most running first, then ready."""
+    groups: list[tuple[str, dict[str, int]]] = attrs.Factory(list)
+    """The busiest groups: (group, its rows by state of COUNTED_LIVE), the most running
+    (or claimed) first, then the most of the other live states."""
     rescues: dict[str, int] = attrs.Factory(dict)
     """The queue's rescues so far by reason (RESCUE_REASONS), each reason given; empty for
     a schema that does not count them."""
@@ -1014,6 +1018,20 @@ QUEUE_LIMITS = "SELECT queue, limits FROM tickler_queues WHERE limits IS NOT NUL
 QUEUE_RESCUES = "SELECT queue, reason, count FROM tickler_rescues"
 # How many groups report() shows.
 BUSIEST_GROUPS = 5
+
+
+def busiest_groups(mark: str, live: str) -> str:
+    """Statements.busiest_groups in a store's words: its placeholder ``mark``, and
+    ``live``, its WHERE term for the live rows."""
+    counts = ", ".join(
+        f"count(CASE WHEN {COUNTED_STATE} = '{state}' THEN 1 END)" for state in COUNTED_LIVE
+    )
+    return (
+        f"SELECT group_name, {counts} FROM tickler_requests"  # noqa: S608 (constants only)
+        f" WHERE queue = {mark} AND group_name IS NOT NULL AND {live} GROUP BY group_name"
+        " ORDER BY count(CASE WHEN state = 'running' THEN 1 END) DESC,"
+        f" count(CASE WHEN state <> 'running' THEN 1 END) DESC, group_name LIMIT {mark}"
+    )
 
 
 def report(
@@ -1067,8 +1085,8 @@ def report(
             []
             if groups is None
             else [
-                (str(g), int(running), int(ready))
-                for g, running, ready in execute(groups, (queue, BUSIEST_GROUPS))
+                (str(g), dict(zip(COUNTED_LIVE, map(int, by_state), strict=True)))
+                for g, *by_state in execute(groups, (queue, BUSIEST_GROUPS))
             ],
             rescued.get(queue, dict.fromkeys(RESCUE_REASONS, 0)) if rescues else {},
         )

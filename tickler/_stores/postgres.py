@@ -37,6 +37,7 @@ from ._sql import (
     LimitedMemo,
     QueueReport,
     Statements,
+    busiest_groups,
     cancel,
     counts,
     enqueue_rows,
@@ -403,10 +404,7 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     " CROSS JOIN LATERAL (SELECT 1 FROM tickler_requests"
     f" WHERE queue = %(queue)s AND {_READY} AND group_name = g.name AND run_at <= %(now)s"
     " LIMIT %(cap)s) AS c LIMIT %(cap)s) AS upto",
-    busiest_groups="SELECT group_name, count(*) FILTER (WHERE state = 'running'),"  # noqa: S608 (constants only)
-    " count(*) FILTER (WHERE state <> 'running')"
-    f" FROM tickler_requests WHERE queue = %s AND group_name IS NOT NULL AND {_LIVE_STATE}"
-    " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT %s",
+    busiest_groups=busiest_groups("%s", _LIVE_STATE),
 )
 
 # A limited claim's first look: the first rows due in claim order, whatever their group,

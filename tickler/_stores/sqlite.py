@@ -38,6 +38,7 @@ from ._sql import (
     LimitedMemo,
     QueueReport,
     Statements,
+    busiest_groups,
     cancel,
     counts,
     enqueue_rows,
@@ -436,9 +437,7 @@ SELECT name FROM g WHERE name IS NOT NULL""",  # noqa: S608 (constants only)
     f" WHERE queue = :queue AND {_READY}"
     " AND group_name IN (SELECT value FROM json_each(:groups)) AND run_at <= :now"
     " LIMIT :cap)",
-    busiest_groups="SELECT group_name, sum(state = 'running'), sum(state <> 'running')"  # noqa: S608 (constants only)
-    f" FROM tickler_requests WHERE queue = ? AND group_name IS NOT NULL AND {_LIVE_STATE}"
-    " GROUP BY group_name ORDER BY 2 DESC, 3 DESC, group_name LIMIT ?",
+    busiest_groups=busiest_groups("?", _LIVE_STATE),
 )
 
 # A limited claim's rows by id (owner, lease_until, ids, now, owner), RETURNING them as
