@@ -274,15 +274,29 @@ async def test_a_key_enqueued_while_a_retry_runs_leaves_the_request_final(
 async def test_pause_and_resume_a_queue_without_a_service(backend: Backend) -> None:
     ids = enqueue(backend, [1, 2, 3])
     async with backend.store().admin() as admin:
-        await admin.pause("jobs")
+        assert await admin.pause("jobs") is True
         assert (await admin.counts("jobs"))["paused"] == 1
         async with tickler.open_service(double, store=backend.store(), name="jobs"):
             await trio.sleep(0.3)  # six poll intervals: nothing is claimed
             assert {state for _, state in backend.select("id, state")} == {"queued"}
-            await admin.resume("jobs")
+            assert await admin.resume("jobs") is True
             assert (await admin.counts("jobs"))["paused"] == 0
             for request_id in ids:
                 await until_state(admin, request_id, "succeeded")
+
+
+async def test_pause_says_whether_the_store_knew_the_queue(backend: Backend) -> None:
+    """A queue with no requests, never paused nor limited, is paused all the same (ahead
+    of its first deploy), and pause() says the store did not know it; from then on the
+    store knows it."""
+    enqueue(backend, [1], queue="mail")
+    async with backend.store().admin() as admin:
+        assert await admin.pause("mial") is False
+        assert (await admin.counts("mial"))["paused"] == 1
+        assert await admin.queues() == ["mail", "mial"]
+        assert await admin.resume("mial") is True
+        assert await admin.resume("audit") is False
+        assert await admin.pause("mail") is True
 
 
 # -- What the pages read

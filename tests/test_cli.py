@@ -172,8 +172,10 @@ def test_pause_and_resume_a_sqlite_queue(tmp_path: Path) -> None:
         assert len(session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed) == 1
     finally:
         session.close()
-    # A queue with no requests yet can be paused, and shows.
-    assert inspect("pause", url, "later").returncode == 0
+    # A queue with no requests yet can be paused, with a warning, and shows.
+    result = inspect("pause", url, "later")
+    assert result.returncode == 0
+    assert result.stderr.startswith("python -m tickler: warning: queue 'later' ")
     assert "queue 'later' (paused): 0 queued, " in inspect("inspect", url).stdout
 
 
@@ -256,6 +258,58 @@ def test_pause_with_a_refused_connection_hides_the_password(closed_port: int) ->
     assert SECRET not in result.stdout + result.stderr
     assert result.returncode == 2
     assert result.stderr.startswith("python -m tickler: cannot connect: ")
+
+
+def _pause_a_misspelt_queue(url: str, where: str, *schema: str) -> None:
+    """With queues mail and audit known (audit by its pause alone), pausing "mial" pauses
+    it and warns, naming them; pausing mail warns of nothing."""
+    result = inspect("pause", url, "audit", *schema)
+    assert result.returncode == 0
+    result = inspect("pause", url, "mial", *schema)
+    assert result.returncode == 0
+    assert result.stderr == (
+        "python -m tickler: warning: queue 'mial' has no requests and was never paused or"
+        " limited (a misspelt name?); known queues: 'audit', 'mail'\n"
+    )
+    assert result.stdout == (
+        f"paused queue 'mial' of {where}: its services claim nothing until it is resumed\n"
+    )
+    result = inspect("pause", url, "mail", *schema)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"paused queue 'mail' of {where}: its services claim nothing until it is resumed\n"
+    )
+    result = inspect("resume", url, "mail", *schema)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == f"resumed queue 'mail' of {where}: its services claim again\n"
+
+
+def test_pause_warns_of_a_sqlite_queue_it_does_not_know(tmp_path: Path) -> None:
+    import tickler
+
+    path = tmp_path / "queue.db"
+    store = tickler.SqliteStore(path)
+    store.create_schema()
+    with sqlite3.connect(path) as connection:
+        store.enqueue_in(connection, "mail", 1)
+    connection.close()
+    url = f"sqlite:///{path}"
+    _pause_a_misspelt_queue(url, url)
+
+
+def test_pause_warns_of_a_postgres_queue_it_does_not_know(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    import psycopg
+
+    import tickler
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        store.enqueue_in(connection, "mail", 1)
+    where = f"{postgres_dsn} (schema {postgres_schema!r})"
+    _pause_a_misspelt_queue(postgres_dsn, where, "--schema", postgres_schema)
 
 
 # -- Limits and groups

@@ -95,19 +95,21 @@ def inspect_sqlite(path: Path) -> str:
     return _report(sqlite.inspect(path, _LATEST_FAILURES))
 
 
-def set_paused_url(url: str, schema: str, queue: str, paused: bool) -> str:
-    """Pause or resume ``queue`` of the store at ``url``; the line saying what was done.
+def set_paused_url(url: str, schema: str, queue: str, paused: bool) -> tuple[str, str | None]:
+    """Pause or resume ``queue`` of the store at ``url``: the line saying what was done,
+    and a warning if the store did not know the queue (a misspelt name, say), naming the
+    queues it knows.
 
     Raises ValueError if the store cannot be reached or is not a tickler store.
     """
     if url.startswith(("postgresql://", "postgres://")):
         try:
-            postgres.set_paused(url, schema, queue, paused)
+            known = postgres.set_paused(url, schema, queue, paused)
         except ValueError as exc:
             raise ValueError(redact(str(exc), [url])) from None
         where = f"{redact(url, [url])} (schema {schema!r})"
     elif url.startswith(_PREFIX):
-        sqlite.set_paused(Path(url[len(_PREFIX) :]), queue, paused)
+        known = sqlite.set_paused(Path(url[len(_PREFIX) :]), queue, paused)
         where = url
     else:
         raise ValueError(
@@ -117,7 +119,14 @@ def set_paused_url(url: str, schema: str, queue: str, paused: bool) -> str:
     more = (
         "its services claim nothing until it is resumed" if paused else "its services claim again"
     )
-    return f"{done} queue {queue!r} of {where}: {more}"
+    warning = None
+    if queue not in known:
+        others = ", ".join(map(repr, known)) if known else "none"
+        warning = (
+            f"warning: queue {queue!r} has no requests and was never paused or limited"
+            f" (a misspelt name?); known queues: {others}"
+        )
+    return f"{done} queue {queue!r} of {where}: {more}", warning
 
 
 def _where(url: str, schema: str) -> str:
@@ -298,7 +307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "inspect":
             done = inspect_url(args.url, args.schema)
         elif args.command in ("pause", "resume"):
-            done = set_paused_url(args.url, args.schema, args.queue, args.command == "pause")
+            done, warning = set_paused_url(
+                args.url, args.schema, args.queue, args.command == "pause"
+            )
+            if warning is not None:
+                print(redact(f"python -m tickler: {warning}", argv, secrets), file=sys.stderr)
         elif args.command == "cancel":
             done, every = cancel_url(args.url, args.schema, args.queue, args.targets, args.keys)
             status = 0 if every else 1

@@ -29,7 +29,7 @@ import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
 from .._exceptions import KeyTaken
-from ._sql import COUNTED, RESCUE_REASONS, Dialect, cancel, limited_now
+from ._sql import COUNTED, KNOWN_QUEUES, RESCUE_REASONS, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
 
@@ -253,15 +253,7 @@ def _state_is(state: str) -> str:
 
 
 def _queues(d: AdminDialect) -> list[str]:
-    # Each queue found by one probe of tickler_by_state (a loose index scan).
-    sql = (
-        "WITH RECURSIVE q(name) AS ("
-        " SELECT min(queue) FROM tickler_requests"
-        " UNION ALL SELECT (SELECT min(queue) FROM tickler_requests WHERE queue > q.name)"
-        " FROM q WHERE q.name IS NOT NULL)"
-        " SELECT name FROM q WHERE name IS NOT NULL UNION SELECT queue FROM tickler_queues"
-    )
-    return sorted(str(name) for (name,) in d.execute(sql, ()))
+    return sorted(str(name) for (name,) in d.execute(KNOWN_QUEUES, ()))
 
 
 def _row(d: AdminDialect, queue: str, id_or_key: object) -> tuple[Any, ...] | None:
@@ -413,15 +405,18 @@ def _cancel(d: AdminDialect, queue: str, id_or_key: object) -> bool:
     return cancel(d, queue, id_or_key)[0]
 
 
-def _set_paused(d: AdminDialect, queue: str, paused: bool) -> None:
+def _set_paused(d: AdminDialect, queue: str, paused: bool) -> bool:
+    """Whether the store knew the queue before (see Admin.pause)."""
     d.begin()
     try:
+        known = queue in _queues(d)
         d.execute(d.statements.set_paused, (queue, paused))
         d.notify(queue)
         d.commit()
     except BaseException:
         d.rollback()
         raise
+    return known
 
 
 def _counts(
@@ -664,14 +659,20 @@ class Admin:
         _check_id(id, "id")
         return bool(await self._run(_retry, queue, id))
 
-    async def pause(self, queue: str) -> None:
-        """Every service of the queue stops claiming (what runs goes on)."""
-        _check_queue(queue)
-        await self._run(_set_paused, queue, True)
+    async def pause(self, queue: str) -> bool:
+        """Every service of the queue stops claiming (what runs goes on).
 
-    async def resume(self, queue: str) -> None:
+        Returns whether the store knew the queue before: it had requests, or was paused,
+        resumed or limited once (as ``queues()`` lists them). False is no error, since a
+        queue may be paused ahead of its first deploy, but it may be a misspelt name:
+        ``python -m tickler pause`` then warns, naming the known queues."""
         _check_queue(queue)
-        await self._run(_set_paused, queue, False)
+        return await self._run(_set_paused, queue, True)
+
+    async def resume(self, queue: str) -> bool:
+        """Let the queue's services claim again; whether the store knew it, as pause()."""
+        _check_queue(queue)
+        return await self._run(_set_paused, queue, False)
 
     async def counts(self, queue: str) -> dict[str, int]:
         """Rows by state, with the keys of a service's ``store_statistics()`` counts."""

@@ -1010,6 +1010,16 @@ class QueueReport:
     a schema that does not count them."""
 
 
+# Every queue the store knows, by name: those with rows, each found by one probe of
+# tickler_by_state (a loose index scan), and those with a row in tickler_queues (paused,
+# resumed or limited once).
+KNOWN_QUEUES = (
+    "WITH RECURSIVE q(name) AS ("
+    " SELECT min(queue) FROM tickler_requests"
+    " UNION ALL SELECT (SELECT min(queue) FROM tickler_requests WHERE queue > q.name)"
+    " FROM q WHERE q.name IS NOT NULL)"
+    " SELECT name FROM q WHERE name IS NOT NULL UNION SELECT queue FROM tickler_queues"
+)
 # Every queue's paused flag, for report().
 PAUSED_QUEUES = "SELECT queue, paused FROM tickler_queues"
 # Every queue's limits, for report().

@@ -28,6 +28,7 @@ from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
     INSERT_COLUMNS,
+    KNOWN_QUEUES,
     RESCUE_RETURNED,
     RESCUE_SETS,
     ROW_COLUMNS,
@@ -1726,10 +1727,11 @@ def inspect(dsn: str, schema: str, latest: int) -> dict[str, QueueReport]:
         db.close()
 
 
-def set_paused(dsn: str, schema: str, queue: str, paused: bool) -> None:
+def set_paused(dsn: str, schema: str, queue: str, paused: bool) -> list[str]:
     """Pause a queue of the schema, or resume it, for every replica: a paused queue's
     services claim nothing, while what they run goes on. Sends the NOTIFY that wakes
-    the replicas listening. An older schema is brought up to date.
+    the replicas listening. An older schema is brought up to date. Returns the queues
+    the store knew before, by name (as ``Admin.queues()``).
 
     Raises:
         ValueError: the server cannot be reached (the message may quote the DSN,
@@ -1760,7 +1762,9 @@ def set_paused(dsn: str, schema: str, queue: str, paused: bool) -> None:
         except StoreError as exc:
             raise ValueError(str(exc)) from None
         with db.transaction():
+            known = sorted(str(name) for (name,) in db.execute(KNOWN_QUEUES))
             db.execute(_SET_PAUSED, (queue, bool(paused)))
             db.execute("SELECT pg_notify(%s, %s)", (f"tickler_{schema}", queue))
     finally:
         db.close()
+    return known

@@ -27,6 +27,7 @@ from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
     INSERT_COLUMNS,
+    KNOWN_QUEUES,
     LEASE_LAPSED,
     OWNER_DIED,
     RESCUE_RETURNED,
@@ -1181,9 +1182,10 @@ def inspect(path: Path, latest: int) -> dict[str, QueueReport]:
         db.close()
 
 
-def set_paused(path: Path, queue: str, paused: bool) -> None:
+def set_paused(path: Path, queue: str, paused: bool) -> list[str]:
     """Pause a queue of the file, or resume it, for every process: a paused queue's services
     claim nothing, while what they run goes on. An older schema is brought up to date.
+    Returns the queues the store knew before, by name (as ``Admin.queues()``).
 
     Raises:
         ValueError: the file is missing, not a tickler store, or of a version this does
@@ -1209,6 +1211,7 @@ def set_paused(path: Path, queue: str, paused: bool) -> None:
     try:
         session.begin()
         try:
+            known = sorted(str(name) for (name,) in session.execute(KNOWN_QUEUES, ()))
             session.execute(_STATEMENTS.set_paused, (queue, bool(paused)))
             session.commit()
         except BaseException:
@@ -1216,3 +1219,4 @@ def set_paused(path: Path, queue: str, paused: bool) -> None:
             raise
     finally:
         session.close()
+    return known
