@@ -144,6 +144,33 @@ def test_cancel_by_id_and_key_then_retry(location: tuple[list[str], Any]) -> Non
     assert SECRET not in bad.stdout + bad.stderr
 
 
+def test_cancel_and_retry_check_every_target_before_acting(
+    location: tuple[list[str], Any],
+) -> None:
+    """A bad target among good ones: nothing is cancelled or retried, and the message
+    names the bad one."""
+    url, store = location
+    store.create_schema()
+    ids = enqueue(store, [1, 2], key=lambda r: f"k{r}")
+    result = tickler_cli("cancel", *url, "jobs", "k1", str(ids[1]), "[true]")
+    assert states(store) == {ids[0]: "queued", ids[1]: "queued"}
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "python -m tickler: ID_OR_KEY '[true]': key must be a str or a tuple of strs and ints"
+        " for a service with a store, not bool; nothing was cancelled\n"
+    )
+    too_long = "x" * 1001
+    result = tickler_cli("cancel", "--keys", *url, "jobs", "k1", too_long)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"python -m tickler: ID_OR_KEY {too_long!r}: key must be")
+    assert states(store) == {ids[0]: "queued", ids[1]: "queued"}
+    assert tickler_cli("cancel", *url, "jobs", "k1").returncode == 0
+    result = tickler_cli("retry", *url, "jobs", str(ids[0]), "seven")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "argument ID: invalid int value: 'seven'" in result.stderr
+    assert states(store) == {ids[0]: "cancelled", ids[1]: "queued"}
+
+
 def test_errors_show_no_password(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

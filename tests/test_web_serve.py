@@ -11,6 +11,17 @@ import httpx
 from tests.test_web import filled
 
 
+def running_on(server: subprocess.Popen[str]) -> str:
+    """The URL the server's readiness line gives ("Running on URL"), read from its stderr;
+    fails if the server ends before it says so."""
+    assert server.stderr is not None
+    line = server.stderr.readline()
+    while "Running on" not in line:
+        assert line, "the server ended before it said it was running"
+        line = server.stderr.readline()
+    return str(line.split("Running on ")[1].split()[0])
+
+
 def test_serve_binds_to_this_machine_only(tmp_path: Path) -> None:
     """serve() listens on 127.0.0.1 unless told otherwise, with Basic auth and read-only
     as asked."""
@@ -23,12 +34,7 @@ def test_serve_binds_to_this_machine_only(tmp_path: Path) -> None:
         [sys.executable, "-c", code], stderr=subprocess.PIPE, text=True
     )
     try:
-        assert server.stderr is not None
-        line = server.stderr.readline()
-        while "Running on" not in line:
-            assert line, "the server ended"
-            line = server.stderr.readline()
-        url = line.split("Running on ")[1].split()[0]
+        url = running_on(server)
         assert url.startswith("http://127.0.0.1:")
         assert httpx.get(url + "/").status_code == 401
         page = httpx.get(url + "/", auth=("ops", "pw"))
@@ -40,3 +46,45 @@ def test_serve_binds_to_this_machine_only(tmp_path: Path) -> None:
         server.wait()
         assert server.stderr is not None
         server.stderr.close()
+
+
+def test_the_command_line_serves_a_postgres_schema_of_its_choice(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """python -m tickler web --schema, as every other command: the dashboard of a queue
+    outside the default schema."""
+    import psycopg
+
+    import tickler
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
+        store.enqueue_in(connection, "mail", 1)
+    server = subprocess.Popen(  # noqa: S603 - our own interpreter running our own module
+        [
+            sys.executable,
+            "-m",
+            "tickler",
+            "web",
+            postgres_dsn,
+            "--schema",
+            postgres_schema,
+            "--port",
+            "0",
+            "--read-only",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        page = httpx.get(running_on(server) + "/", timeout=30)
+        assert page.status_code == 200
+        assert 'data-queue="mail"' in page.text
+    finally:
+        server.terminate()
+        server.wait()
+        assert server.stderr is not None
+        server.stderr.close()
+    # The default schema ("tickler") is not this one.
+    assert postgres_schema != "tickler"

@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from ._codec import check_queue_name, encode_key
 from ._exceptions import StoreError
 from ._stores import postgres, sqlite
 from ._stores._sql import QueueReport
@@ -156,14 +157,26 @@ def cancel_url(
     url: str, schema: str, queue: str, targets: Sequence[str], keys: bool
 ) -> tuple[str, bool]:
     """Cancel each request of ``targets``; the lines saying what was done, and whether
-    every one was cancelled (or its cancel asked of its replica)."""
+    every one was cancelled (or its cancel asked of its replica).
+
+    Every target is checked before any is cancelled: a bad one raises TypeError or
+    ValueError, naming it, and nothing is cancelled."""
+    check_queue_name(queue, "queue")
+    found = []
+    for text in targets:
+        target = _id_or_key(text, keys)
+        if not isinstance(target, int):
+            try:
+                encode_key(target)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"ID_OR_KEY {text!r}: {exc}; nothing was cancelled") from None
+        found.append((text, target))
     store = open_store(url, schema=schema)
 
     async def run() -> tuple[list[str], bool]:
         lines, every = [], True
         async with store.admin() as admin:
-            for text in targets:
-                target = _id_or_key(text, keys)
+            for text, target in found:
                 shown = f"#{target}" if isinstance(target, int) else f"key {text!r}"
                 if not await admin.cancel(queue, target):
                     lines.append(f"not cancelled: {shown} is final, or not a request of {queue!r}")
@@ -277,6 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument("--schema", default="tickler", help=schema_help)
     web = commands.add_parser("web", help="serve the dashboard (needs the web extra)")
     web.add_argument("url", help=url_help)
+    web.add_argument("--schema", default="tickler", help=schema_help)
     web.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
     web.add_argument("--port", type=int, default=8000, help="the port (8000)")
     web.add_argument("--read-only", action="store_true", help="show and take no actions")
@@ -344,6 +358,7 @@ def _web(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         serve(
             args.url,
+            schema=args.schema,
             host=args.host,
             port=args.port,
             read_only=args.read_only,

@@ -15,6 +15,7 @@ logger = logging.getLogger("tickler")
 def serve(
     url: str,
     *,
+    schema: str = "tickler",
     host: str = "127.0.0.1",
     port: int = 8000,
     read_only: bool = False,
@@ -25,6 +26,8 @@ def serve(
     Args:
         url: a ``sqlite:///`` URL or a PostgreSQL DSN, as ``python -m tickler inspect``
             takes. Its password is never shown.
+        schema: with PostgreSQL, the schema of the store (as every command's
+            ``--schema``).
         host: the address to bind: 127.0.0.1 (this machine only) unless told otherwise.
         port: the TCP port; 0 picks a free one.
         read_only: show no actions and refuse them.
@@ -35,6 +38,8 @@ def serve(
     """
     if not isinstance(url, str):
         raise TypeError("url must be a str")
+    if not isinstance(schema, str):
+        raise TypeError("schema must be a str")
     if not isinstance(host, str) or not host:
         raise TypeError("host must be a non-empty str")
     if isinstance(port, bool) or not isinstance(port, int):
@@ -51,7 +56,7 @@ def serve(
 
     from .._urls import open_store, redact
 
-    store = open_store(url)
+    store = open_store(url, schema=schema)
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
