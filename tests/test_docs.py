@@ -12,6 +12,7 @@ the README's setup commands and the SQLite page's INSERT are checked below.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import re
 import shlex
 import sqlite3
@@ -338,3 +339,293 @@ def test_demo_arguments() -> None:
     args = demo.parse_args(["--capacity", "2", "--requests", "5", "--burst", "4", "--seed", "9"])
     assert (args.capacity, args.requests, args.burst, args.seed) == (2, 5, 4, 9)
     assert demo.parse_args([]).capacity == 3
+
+
+# -- Documented signatures: what the pages say each call takes is what it takes
+
+# A documented signature is a code span ``[await ]OBJECT(PARAMETERS)[ -> RETURNED]``, where
+# OBJECT is ``tickler.…`` or a method of ``service.``, ``store.``, ``admin.`` or ``ticket.``,
+# that stands in a heading, or lists a ``*`` among its parameters, or gives ``-> `` what it
+# returns. It names every parameter, in order, each with its default, unless ``...``
+# stands among them for those it leaves out. Any other such span is a call or a mention.
+SIGNATURE = re.compile(
+    r"(?:await )?(?P<object>(?:tickler|service|store|admin|ticket)(?:\.\w+)+)"
+    r"\((?P<parameters>.*)\)(?P<returns> -> .+)?",
+    re.S,
+)
+# What each page's ``store.`` is.
+STORES: dict[str, list[object]] = {
+    "docs/stores/sqlite.md": [tickler.SqliteStore],
+    "docs/stores/postgres.md": [tickler.PostgresStore],
+}
+
+
+@attrs.frozen
+class Documented:
+    page: str
+    text: str
+    objects: list[object]
+    parameters: list[str]
+
+
+def split_parameters(text: str) -> list[str]:
+    """The parameters of a signature's text, split at its top-level commas."""
+    found, depth, start, quote = [], 0, 0, ""
+    for index, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            found.append(text[start:index].strip())
+            start = index + 1
+    last = text[start:].strip()
+    return [*found, last] if last or found else []
+
+
+def resolve(page: str, name: str) -> list[object]:
+    """The objects a documented name stands for (a page's ``store.`` may be either)."""
+    import importlib
+
+    head, *path = name.split(".")
+    owners: list[object]
+    if head == "tickler":
+        # The longest importable module first: tickler.web.serve is tickler.web's serve.
+        for size in range(len(path), -1, -1):
+            try:
+                owners = [importlib.import_module(".".join(["tickler", *path[:size]]))]
+            except ImportError:
+                continue
+            path = path[size:]
+            break
+    elif head == "store":
+        owners = STORES.get(page, [tickler.SqliteStore, tickler.PostgresStore])
+    else:
+        owners = [
+            {"service": tickler.Service, "admin": tickler.Admin, "ticket": tickler.Ticket}[head]
+        ]
+    found = []
+    for owner in owners:
+        for part in path:
+            owner = getattr(owner, part)
+        found.append(owner)
+    return found
+
+
+def documented_signatures() -> list[Documented]:
+    found = []
+    for path in PAGES:
+        page = page_name(path)
+        prose = re.sub(r"^ *```.*?^ *```", "", path.read_text(), flags=re.M | re.S)
+        for span in re.finditer(r"`([^`]+)`", prose):
+            text = " ".join(span[1].split())
+            match = SIGNATURE.fullmatch(text)
+            if match is None:
+                continue
+            line_start = prose.rfind("\n", 0, span.start()) + 1
+            heading = prose[line_start:].startswith("#")
+            parameters = split_parameters(match["parameters"])
+            starred = any(p.startswith("*") for p in parameters)
+            if heading or starred or match["returns"]:
+                found.append(Documented(page, text, resolve(page, match["object"]), parameters))
+    return found
+
+
+def signature_errors(documented: Documented, real: inspect.Signature) -> list[str]:
+    """How the documented parameters differ from ``real``'s (none: they agree)."""
+    import ast
+
+    kinds = inspect.Parameter
+    actual = [p for p in real.parameters.values() if p.name not in ("self", "cls")]
+    errors: list[str] = []
+    listed: list[tuple[str, inspect._ParameterKind, object]] = []  # (name, kind, default)
+    keyword_only = False
+    for text in documented.parameters:
+        if text == "...":
+            continue
+        if text == "*":
+            keyword_only = True
+            continue
+        if text.startswith("**"):
+            listed.append((text[2:], kinds.VAR_KEYWORD, kinds.empty))
+            continue
+        if text.startswith("*"):
+            listed.append((text[1:], kinds.VAR_POSITIONAL, kinds.empty))
+            keyword_only = True
+            continue
+        name, equals, default = text.partition("=")
+        value: object = kinds.empty
+        if equals:
+            try:
+                value = ast.literal_eval(default.strip())
+            except ValueError:
+                errors.append(f"{name.strip()}: default {default.strip()} is not a literal")
+                continue
+        kind = kinds.KEYWORD_ONLY if keyword_only else kinds.POSITIONAL_OR_KEYWORD
+        listed.append((name.strip(), kind, value))
+    by_name = {p.name: p for p in actual}
+    for name_of, kind_of, default_of in listed:
+        parameter = by_name.get(name_of)
+        if parameter is None:
+            errors.append(f"{name_of}: no such parameter")
+            continue
+        real_kind = (
+            kinds.POSITIONAL_OR_KEYWORD
+            if parameter.kind is kinds.POSITIONAL_ONLY
+            else parameter.kind
+        )
+        if real_kind is not kind_of:
+            errors.append(f"{name_of}: documented {kind_of}, is {parameter.kind}")
+        real_default = parameter.default
+        if (type(default_of), default_of) != (type(real_default), real_default):
+            shown = "none" if default_of is kinds.empty else repr(default_of)
+            errors.append(f"{name_of}: documented default {shown}, is {real_default!r}")
+    names = [name for name, _, _ in listed]
+    positional = [
+        p.name for p in actual if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    documented_positional = [
+        name for name, kind, _ in listed if kind is kinds.POSITIONAL_OR_KEYWORD
+    ]
+    if "..." not in documented.parameters:
+        missing = [p.name for p in actual if p.name not in names]
+        if missing:
+            errors.append(f"leaves out {', '.join(missing)}")
+        if documented_positional != positional:
+            errors.append(f"positional parameters {documented_positional}, are {positional}")
+    elif documented_positional != [n for n in positional if n in documented_positional]:
+        errors.append(f"positional parameters out of order: {documented_positional}")
+    return errors
+
+
+def test_signature_errors_find_each_kind_of_drift() -> None:
+    """The comparison itself: a left-out keyword, a wrong default, a wrong kind, a name
+    that is not there; and ``...`` lets a page leave parameters out."""
+
+    def f(a: int, *, b: int = 1, c: str = "x") -> None: ...
+
+    def check(text: str) -> list[str]:
+        return signature_errors(
+            Documented("p", text, [f], split_parameters(text)), inspect.signature(f)
+        )
+
+    assert check("a, *, b=1, c='x'") == []
+    assert check("a, *, b=1, ...") == []
+    assert check("a, *, b=1") == ["leaves out c"]
+    assert check("a, *, b=2, c='x'") == ["b: documented default 2, is 1"]
+    assert check("a, *, b=True, c='x'") == ["b: documented default True, is 1"]
+    assert check("a, b=1, c='x'") == [
+        "b: documented POSITIONAL_OR_KEYWORD, is KEYWORD_ONLY",
+        "c: documented POSITIONAL_OR_KEYWORD, is KEYWORD_ONLY",
+        "positional parameters ['a', 'b', 'c'], are ['a']",
+    ]
+    assert check("x, *, b=1, c='x'") == [
+        "x: no such parameter",
+        "leaves out a",
+        "positional parameters ['x'], are ['a']",
+    ]
+
+
+def test_each_documented_signature_is_the_real_one() -> None:
+    """Every signature on every page names the parameters the object takes, with their
+    kinds and defaults (see SIGNATURE for what counts as one)."""
+    found = documented_signatures()
+    texts = {d.text for d in found}
+    # The scan finds them: among others, each page's signatures of the enqueue calls.
+    for expected in (
+        "service.enqueue_request(",
+        "await service.submit(",
+        "service.enqueue_many(",
+        "service.stop(",
+        "tickler.Service(",
+        "tickler.PostgresStore(",
+        "tickler.SqliteStore(",
+        "tickler.web.serve(",
+        "tickler.web.app(",
+    ):
+        assert any(text.startswith(expected) for text in texts), expected
+    pages_with_enqueue_in = {d.page for d in found if d.text.startswith("store.enqueue_in(")}
+    assert {"docs/stores/sqlite.md", "docs/stores/postgres.md"} <= pages_with_enqueue_in
+    assert any(
+        d.page == "docs/scheduling.md" and d.text.startswith("store.enqueue_many_in(")
+        for d in found
+    )
+    wrong = {
+        f"{d.page}: {d.text}: {error}"
+        for d in found
+        for real in d.objects
+        for error in signature_errors(d, inspect.signature(real))  # type: ignore[arg-type]
+    }
+    assert sorted(wrong) == []
+
+
+# -- Documented metrics: the table of docs/observability.md is what the collector exports
+
+
+def documented_metrics() -> dict[str, set[str]]:
+    """Each metric of the table, by its full name, with the values of its label (empty
+    for a metric without one): the ``tickler_…`` names of a row's first cell, the label
+    values being the row's other code spans."""
+    text = (ROOT / "docs" / "observability.md").read_text()
+    table = text.split("| metric | type | meaning |", 1)[1].split("\n\n", 1)[0]
+    found: dict[str, set[str]] = {}
+    for row in table.splitlines()[2:]:
+        first, _, meaning = row.strip("|").partition("|")
+        labelled = "{" in first
+        values = set(re.findall(r"`([a-z_]+)`", meaning)) if labelled else set()
+        for name in re.findall(r"`(tickler_[a-z_]+)", first):
+            found[name] = values
+    return found
+
+
+def exported_metrics(samples: list[tuple[str, dict[str, str]]]) -> dict[str, set[str]]:
+    """The same of what the collector exported (its histograms by their family's name)."""
+    found: dict[str, set[str]] = {}
+    for name, labels in samples:
+        family = re.sub(r"_(bucket|count|sum)$", "", name)
+        values = found.setdefault(family, set())
+        values.update(value for label, value in labels.items() if label not in ("service", "le"))
+    return found
+
+
+async def test_each_documented_metric_is_exported(tmp_path: Path) -> None:
+    """A service on a store, after it ran requests: the table of docs/observability.md
+    names every metric it exports and no other, with every value of each label; and the
+    series of the page's /metrics example are the ones exported."""
+    pytest.importorskip("prometheus_client")
+    import prometheus_client
+
+    import tickler.prometheus
+
+    store = tickler.SqliteStore(tmp_path / "queue.db", poll_interval=0.05)
+    async with tickler.open_service(double, store=store, name="jobs") as service:
+        for number in range(3):
+            await service.submit(number)
+        await service.join()
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(tickler.prometheus.Collector(service))
+        families = await trio.to_thread.run_sync(lambda: list(registry.collect()))
+    samples = [(s.name, dict(s.labels)) for f in families for s in f.samples]
+    assert documented_metrics() == exported_metrics(samples)
+    shown = BLOCKS["docs/observability.md"]["metrics-from-site-manager"].code
+    series = shown.split("\n$ ", 1)[0].splitlines()[1:]
+    documented = {
+        (line.split("{")[0], tuple(sorted(re.findall(r'(\w+)="([^"]*)"', line)))) for line in series
+    }
+    exported = {
+        (name, tuple(sorted({**labels, "service": "site_manager"}.items())))
+        for name, labels in samples
+        if not name.endswith("_bucket")
+    }
+    assert documented == exported
+
+
+def test_readme_lists_each_page_once() -> None:
+    """The README's list of pages names each page once."""
+    listed = re.findall(r"^- \[[^\]]+\]\((docs/[^)#]+)\)", (ROOT / "README.md").read_text(), re.M)
+    assert listed
+    assert sorted(listed) == sorted(set(listed))
