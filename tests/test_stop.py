@@ -245,3 +245,43 @@ async def test_open_service_body_error_cancels_and_propagates(
     assert trio.current_time() == 1.0
     assert ticket.status is tickler.Status.CANCELLED
     assert await service.stop() == [ticket]
+
+
+async def test_stop_without_drain_waits_for_what_runs_unless_timeout_is_zero(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """stop(drain=False) waits for a running handler with no limit by default (here, until
+    it returns an hour later); stop(drain=False, timeout=0) cancels a stuck one at once."""
+    released = trio.Event()
+
+    async def stuck(request: str) -> str:
+        if request == "stuck":
+            await trio.sleep_forever()
+        await released.wait()
+        return request
+
+    async with trio.open_nursery() as nursery:
+        waited = tickler.Service(stuck, capacity=1)
+        await nursery.start(waited.run)
+        running = waited.enqueue_request("released at 3600 s")
+        queued = waited.enqueue_request("queued")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(_release_later, released)
+        assert await waited.stop(drain=False) == [queued]
+        assert trio.current_time() == 3600
+        assert running.status is tickler.Status.SUCCEEDED
+
+    async with trio.open_nursery() as nursery:
+        at_once = tickler.Service(stuck, capacity=1)
+        await nursery.start(at_once.run)
+        ticket = at_once.enqueue_request("stuck")
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        assert await at_once.stop(drain=False, timeout=0) == [ticket]
+        assert trio.current_time() == start
+        assert ticket.status is tickler.Status.CANCELLED
+
+
+async def _release_later(released: trio.Event) -> None:
+    await trio.sleep(3600)
+    released.set()

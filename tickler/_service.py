@@ -438,7 +438,9 @@ class Service(_Engine[RequestT, ResultT]):
     async def stop(
         self, *, drain: bool = True, timeout: float | None = None
     ) -> list[Ticket[RequestT, ResultT]]:
-        """Stop the service and return the tickets that did not complete.
+        """Stop the service, waiting for what runs up to ``timeout`` (None, the default,
+        is no limit, with ``drain=False`` too: ``stop(drain=False, timeout=0)`` cancels
+        what runs at once), and return the tickets that did not complete.
 
         Enqueueing is refused from the first instant. With ``drain=True`` the
         service keeps starting queued requests and due retries until nothing
