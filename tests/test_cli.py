@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,12 +261,21 @@ def test_pause_with_a_refused_connection_hides_the_password(closed_port: int) ->
     assert result.stderr.startswith("python -m tickler: cannot connect: ")
 
 
-def _pause_a_misspelt_queue(url: str, where: str, *schema: str) -> None:
+def _mail(store: Any, connect: Any) -> None:
+    with connect() as connection:
+        store.enqueue_in(connection, "mail", 1)
+        connection.commit()
+
+
+def test_pause_warns_of_a_queue_it_does_not_know(
+    kind: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """With queues mail and audit known (audit by its pause alone), pausing "mial" pauses
     it and warns, naming them; pausing mail warns of nothing."""
-    result = inspect("pause", url, "audit", *schema)
+    url, where = filled(kind, tmp_path, _mail)
+    result = inspect("pause", *url, "audit")
     assert result.returncode == 0
-    result = inspect("pause", url, "mial", *schema)
+    result = inspect("pause", *url, "mial")
     assert result.returncode == 0
     assert result.stderr == (
         "python -m tickler: warning: queue 'mial' has no requests and was never paused or"
@@ -274,42 +284,14 @@ def _pause_a_misspelt_queue(url: str, where: str, *schema: str) -> None:
     assert result.stdout == (
         f"paused queue 'mial' of {where}: its services claim nothing until it is resumed\n"
     )
-    result = inspect("pause", url, "mail", *schema)
+    result = inspect("pause", *url, "mail")
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == (
         f"paused queue 'mail' of {where}: its services claim nothing until it is resumed\n"
     )
-    result = inspect("resume", url, "mail", *schema)
+    result = inspect("resume", *url, "mail")
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == f"resumed queue 'mail' of {where}: its services claim again\n"
-
-
-def test_pause_warns_of_a_sqlite_queue_it_does_not_know(tmp_path: Path) -> None:
-    import tickler
-
-    path = tmp_path / "queue.db"
-    store = tickler.SqliteStore(path)
-    store.create_schema()
-    with sqlite3.connect(path) as connection:
-        store.enqueue_in(connection, "mail", 1)
-    connection.close()
-    url = f"sqlite:///{path}"
-    _pause_a_misspelt_queue(url, url)
-
-
-def test_pause_warns_of_a_postgres_queue_it_does_not_know(
-    postgres_dsn: str, postgres_schema: str
-) -> None:
-    import psycopg
-
-    import tickler
-
-    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
-    store.create_schema()
-    with psycopg.connect(postgres_dsn, autocommit=True) as connection:
-        store.enqueue_in(connection, "mail", 1)
-    where = f"{postgres_dsn} (schema {postgres_schema!r})"
-    _pause_a_misspelt_queue(postgres_dsn, where, "--schema", postgres_schema)
 
 
 # -- Limits and groups
@@ -344,18 +326,47 @@ _LIMITS_SHOWN = (
 )
 
 
-def test_inspect_shows_a_sqlite_queues_limits_and_busiest_groups(tmp_path: Path) -> None:
+def filled(request: pytest.FixtureRequest, tmp_path: Path, fill: Any) -> tuple[list[str], str]:
+    """A store that ``fill(store, connect)`` filled, a SQLite file or a PostgreSQL schema as
+    ``request.param`` says: the URL and options a command takes, and the store as its
+    messages name it."""
     import contextlib
 
     import tickler
 
-    path = tmp_path / "queue.db"
-    store = tickler.SqliteStore(path)
+    if request.param == "sqlite":
+        path = tmp_path / "queue.db"
+        store: Any = tickler.SqliteStore(path)
+        store.create_schema()
+        fill(store, lambda: contextlib.closing(sqlite3.connect(path)))
+        return [f"sqlite:///{path}"], f"sqlite:///{path}"
+    import psycopg
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    store = tickler.PostgresStore(dsn, schema=schema)
     store.create_schema()
-    _busy_groups(store, lambda: contextlib.closing(sqlite3.connect(path)))
-    result = inspect("inspect", f"sqlite:///{path}")
+    fill(store, lambda: psycopg.connect(dsn))
+    return [dsn, "--schema", schema], f"{dsn} (schema {schema!r})"
+
+
+def inspected(request: pytest.FixtureRequest, tmp_path: Path, fill: Any) -> str:
+    """``python -m tickler inspect``'s output on the store ``filled()`` gives."""
+    result = inspect("inspect", *filled(request, tmp_path, fill)[0])
     assert (result.returncode, result.stderr) == (0, "")
-    first, rest = result.stdout.split("\n", 1)
+    return result.stdout
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def kind(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
+    """The store to inspect, for inspected()."""
+    return request
+
+
+def test_inspect_shows_a_queues_limits_and_busiest_groups(
+    kind: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    first, rest = inspected(kind, tmp_path, _busy_groups).split("\n", 1)
     assert first.startswith("queue 'jobs': 3 queued, 0 scheduled, 4 claimed, 0 running, ")
     assert rest == _LIMITS_SHOWN
 
@@ -374,23 +385,6 @@ def test_inspect_shows_the_five_busiest_groups(tmp_path: Path) -> None:
     assert "limits" not in shown
     groups = [line for line in shown.splitlines() if line.startswith("  group ")]
     assert groups == [f"  group 'g{n}': {n + 1} queued" for n in range(7, 2, -1)]
-
-
-def test_inspect_shows_a_postgres_queues_limits_and_busiest_groups(
-    postgres_dsn: str, postgres_schema: str
-) -> None:
-    import psycopg
-
-    import tickler
-
-    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
-    store.create_schema()
-    _busy_groups(store, lambda: psycopg.connect(postgres_dsn))
-    result = inspect("inspect", postgres_dsn, "--schema", postgres_schema)
-    assert (result.returncode, result.stderr) == (0, "")
-    first, rest = result.stdout.split("\n", 1)
-    assert first.startswith("queue 'jobs': 3 queued, 0 scheduled, 4 claimed, 0 running, ")
-    assert rest == _LIMITS_SHOWN
 
 
 def _every_live_state(store: object, connect: object) -> None:
@@ -422,30 +416,5 @@ _EVERY_STATE_SHOWN = (
 )
 
 
-def test_inspect_names_each_state_of_a_sqlite_group(tmp_path: Path) -> None:
-    import contextlib
-
-    import tickler
-
-    path = tmp_path / "queue.db"
-    store = tickler.SqliteStore(path)
-    store.create_schema()
-    _every_live_state(store, lambda: contextlib.closing(sqlite3.connect(path)))
-    result = inspect("inspect", f"sqlite:///{path}")
-    assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout == _EVERY_STATE_SHOWN
-
-
-def test_inspect_names_each_state_of_a_postgres_group(
-    postgres_dsn: str, postgres_schema: str
-) -> None:
-    import psycopg
-
-    import tickler
-
-    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
-    store.create_schema()
-    _every_live_state(store, lambda: psycopg.connect(postgres_dsn))
-    result = inspect("inspect", postgres_dsn, "--schema", postgres_schema)
-    assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout == _EVERY_STATE_SHOWN
+def test_inspect_names_each_state_of_a_group(kind: pytest.FixtureRequest, tmp_path: Path) -> None:
+    assert inspected(kind, tmp_path, _every_live_state) == _EVERY_STATE_SHOWN
