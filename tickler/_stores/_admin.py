@@ -187,10 +187,35 @@ def _check_queue(queue: object) -> str:
     return queue
 
 
-def _check_id(value: object, name: str) -> int:
+# A request's id, as every store numbers them (PostgreSQL's bigint, SQLite's integer).
+MAX_ID = 2**63 - 1
+
+
+def _check_int(value: object, name: str, low: int, high: int, what: str = "") -> int:
+    """``value``, an int in ``low``..``high``: the one check of every int the admin takes.
+
+    Raises:
+        TypeError: not an int (a bool is not one).
+        ValueError: out of range; the message names ``name`` and the range.
+    """
+    bound = "2**63-1" if high == MAX_ID else str(high)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (a request's id), not {type(value).__name__}")
+        raise TypeError(f"{name} must be an int{what}, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an int in {low}..{bound}{what}, not {value}")
     return value
+
+
+def _check_id(value: object, name: str) -> int:
+    return _check_int(value, name, 1, MAX_ID, " (a request's id)")
+
+
+def _check_id_or_key(id_or_key: object) -> None:
+    """An int is an id (checked as one); anything else a key."""
+    if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+        _check_id(id_or_key, "id_or_key")
+    else:
+        _check_key(id_or_key, "id_or_key")
 
 
 def _check_key(key: object, name: str) -> str:
@@ -267,8 +292,6 @@ def _queues(d: AdminDialect) -> list[str]:
 def _row(d: AdminDialect, queue: str, id_or_key: object) -> tuple[Any, ...] | None:
     m = d.mark
     if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-        if not 0 < id_or_key < 2**63:
-            return None
         sql = f"SELECT {_COLUMNS} FROM tickler_requests WHERE queue = {m} AND id = {m}"
         found = d.execute(sql, (queue, id_or_key)).fetchone()
     else:
@@ -366,8 +389,6 @@ def _retry_sql(m: str, where: str) -> str:
 def _retry(d: AdminDialect, queue: str, request_id: int) -> int:
     """0 as well where a request of its key was enqueued while the retry ran (its key is
     live again: the request stays as it was)."""
-    if not 0 < request_id < 2**63:
-        return 0
     m = d.mark
     sql = _retry_sql(m, f"queue = {m} AND id = {m}")
     try:
@@ -640,10 +661,12 @@ class Admin:
         return await self._run(_queues)
 
     async def lookup(self, queue: str, id_or_key: object) -> AdminRequest | None:
-        """The request of an int id, or of a key (its live request, else its latest)."""
+        """The request of an int id, or of a key (its live request, else its latest).
+
+        An id is an int in 1..2**63-1 (MAX_ID), else ValueError; the same in ``cancel``
+        and ``retry``."""
         _check_queue(queue)
-        if not isinstance(id_or_key, int) or isinstance(id_or_key, bool):
-            _check_key(id_or_key, "id_or_key")
+        _check_id_or_key(id_or_key)
         row = await self._run(_row, queue, id_or_key)
         return None if row is None else self._request(row)
 
@@ -652,8 +675,7 @@ class Admin:
         owner, which withdraws the attempt within one poll_interval, and it ends
         CANCELLED. False if the request is final, or unknown."""
         _check_queue(queue)
-        if not isinstance(id_or_key, int) or isinstance(id_or_key, bool):
-            _check_key(id_or_key, "id_or_key")
+        _check_id_or_key(id_or_key)
         return await self._run(_cancel, queue, id_or_key)
 
     async def retry(self, queue: str, id: int) -> bool:
@@ -689,15 +711,17 @@ class Admin:
         limit: int = 50,
     ) -> AdminPage:
         """A page of the queue's requests, newest (highest id) first, of those with ids
-        below ``after``."""
+        below ``after``.
+
+        Raises:
+            ValueError: ``after`` is not in 1..2**63-1 (MAX_ID), or ``limit`` not in
+                1..MAX_LIMIT; ``state``, ``key`` or ``group`` is not one.
+        """
         _check_queue(queue)
         f = _Filter.of(state, key, group)
         if after is not None:
             _check_id(after, "after")
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise TypeError(f"limit must be an int, not {type(limit).__name__}")
-        if not 1 <= limit <= MAX_LIMIT:
-            raise ValueError(f"limit must be 1 to {MAX_LIMIT}, not {limit}")
+        _check_int(limit, "limit", 1, MAX_LIMIT)
         rows = await self._run(_page, queue, f, after, limit + 1)
         page = [self._request(row) for row in rows[:limit]]
         return AdminPage(page, page[-1].id if len(rows) > limit else None)
