@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -140,19 +142,34 @@ class QueueOverview:
 
 @attrs.frozen
 class Replica:
-    """A service holding leases now: an owner of running requests."""
+    """A live replica: a service whose liveness mark the store holds now (see
+    docs/failures.md), whether it holds work or not."""
 
     owner: str
-    leased: int
-    """How many running requests it holds."""
-    last_renewed: float | None
+    """The service's id in the store: the owner of the requests it runs."""
+    host: str
+    """The host of its process, as ``socket.gethostname()`` gave it when the mark was
+    taken."""
+    pid: int
+    """Its process's id on that host."""
+    since: float
+    """When it took its liveness mark (epoch seconds): its start, or its last new owner
+    id (PostgreSQL: or its mark taken again after a server restart)."""
+    leased: int = 0
+    """How many running requests it holds (claimed ones included); 0 for an idle one."""
+    last_renewed: float | None = None
     """When it last renewed its leases (epoch seconds): its latest lease_until less the
-    admin's store's ``lease``, which the replicas are assumed to share."""
-    lease_until: float
-    """Its latest lease's end; past means the replica stopped renewing (it died, or lost
-    the store), and its requests go to another replica."""
+    admin's store's ``lease``, which the replicas are assumed to share; None if it holds
+    none."""
+    lease_until: float | None = None
+    """Its latest lease's end; None if it holds none."""
     queues: list[str] = attrs.Factory(list)
     """The queues of its running requests."""
+
+
+def this_process() -> tuple[str, int]:
+    """The host and the id of this process, as a replica's liveness mark records them."""
+    return socket.gethostname(), os.getpid()
 
 
 class AdminDialect(Dialect, Protocol):
@@ -175,6 +192,11 @@ class AdminDialect(Dialect, Protocol):
     def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
         """Call ``call(self, *args)``, rolling back after an error (and connecting again
         where the server went away)."""
+        ...
+
+    def live_owners(self) -> list[tuple[str, str, int, float]]:
+        """(owner, host, pid, since) of each service whose liveness mark the store holds
+        now, as recorded with the mark. Reads only."""
         ...
 
     def close(self) -> None: ...
@@ -566,21 +588,32 @@ def _overviews(d: AdminDialect) -> list[QueueOverview]:
 
 
 def _replicas(d: AdminDialect, lease: float) -> list[Replica]:
-    # On tickler_running: the running rows alone.
+    """Each live replica (by host, then pid), with the leases it holds (on
+    tickler_running: the running rows alone)."""
     sql = (
         "SELECT owner, queue, count(*), max(lease_until) FROM tickler_requests"
         " WHERE state = 'running' AND owner IS NOT NULL GROUP BY owner, queue"
     )
-    found: dict[str, tuple[int, float, list[str]]] = {}
+    held: dict[str, tuple[int, float, list[str]]] = {}
     for owner, queue, count, until in d.execute(sql, ()):
-        leased, latest, queues = found.get(owner, (0, -math.inf, []))
-        found[owner] = (leased + int(count), max(latest, float(until)), [*queues, str(queue)])
-    return [
-        Replica(owner, leased, until - lease, until, sorted(queues))
-        for owner, (leased, until, queues) in sorted(
-            found.items(), key=lambda item: (-item[1][1], item[0])
+        leased, latest, queues = held.get(owner, (0, -math.inf, []))
+        held[owner] = (leased + int(count), max(latest, float(until)), [*queues, str(queue)])
+    found = []
+    for owner, host, pid, since in d.live_owners():
+        leased, until, queues = held.get(owner, (0, None, []))
+        found.append(
+            Replica(
+                owner=owner,
+                host=host,
+                pid=pid,
+                since=since,
+                leased=leased,
+                last_renewed=None if until is None else until - lease,
+                lease_until=until,
+                queues=sorted(queues),
+            )
         )
-    ]
+    return sorted(found, key=lambda r: (r.host, r.pid, r.owner))
 
 
 # -- The API
@@ -590,7 +623,10 @@ class Admin:
     """Acts on every queue of a store, with no service running: see ``store.admin()``.
 
     Every method is async and runs its SQL on a worker thread, one call at a time on the
-    admin's own session (connection), opened at the first call. Any Trio run may call it.
+    admin's own session (one connection), opened at the first call. Any Trio run may
+    call it. A read-only admin (``store.admin(read_only=True)``) writes nothing: its
+    session opens the store read-only, and each method that would write raises
+    PermissionError.
     """
 
     def __init__(
@@ -599,6 +635,8 @@ class Admin:
         connect: Callable[[], AdminDialect],
         codecs: dict[str, Codec],
         lease: float,
+        *,
+        read_only: bool = False,
     ) -> None:
         self._name = name
         self._connect = connect
@@ -607,9 +645,14 @@ class Admin:
         self._session: AdminDialect | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.read_only = read_only
 
     def __repr__(self) -> str:
-        return f"<admin of {self._name}>"
+        return f"<{'read-only ' if self.read_only else ''}admin of {self._name}>"
+
+    def _writes(self, action: str) -> None:
+        if self.read_only:
+            raise PermissionError(f"{self!r} writes nothing: {action} refused")
 
     async def _run(self, call: Callable[..., _T], *args: Any) -> _T:
         def work() -> _T:
@@ -676,6 +719,7 @@ class Admin:
         CANCELLED. False if the request is final, or unknown."""
         _check_queue(queue)
         _check_id_or_key(id_or_key)
+        self._writes("cancel")
         return await self._run(_cancel, queue, id_or_key)
 
     async def retry(self, queue: str, id: int) -> bool:
@@ -684,15 +728,18 @@ class Admin:
         key is held by a later request."""
         _check_queue(queue)
         _check_id(id, "id")
+        self._writes("retry")
         return bool(await self._run(_retry, queue, id))
 
     async def pause(self, queue: str) -> None:
         """Every service of the queue stops claiming (what runs goes on)."""
         _check_queue(queue)
+        self._writes("pause")
         await self._run(_set_paused, queue, True)
 
     async def resume(self, queue: str) -> None:
         _check_queue(queue)
+        self._writes("resume")
         await self._run(_set_paused, queue, False)
 
     async def counts(self, queue: str) -> dict[str, int]:
@@ -739,7 +786,9 @@ class Admin:
         """cancel() of every live request the filter selects, in one statement; how many
         were cancelled or asked to cancel."""
         _check_queue(queue)
-        return await self._run(_cancel_where, queue, _Filter.of(state, key, group))
+        f = _Filter.of(state, key, group)
+        self._writes("cancel_where")
+        return await self._run(_cancel_where, queue, f)
 
     async def retry_where(
         self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
@@ -747,14 +796,17 @@ class Admin:
         """retry() of every failed or cancelled request the filter selects, in one
         statement; how many were queued again."""
         _check_queue(queue)
-        return await self._run(_retry_where, queue, _Filter.of(state, key, group))
+        f = _Filter.of(state, key, group)
+        self._writes("retry_where")
+        return await self._run(_retry_where, queue, f)
 
     async def overview(self) -> list[QueueOverview]:
         """Each queue at a glance (see QueueOverview)."""
         return await self._run(_overviews)
 
     async def replicas(self) -> list[Replica]:
-        """The services holding leases now, the latest lease first."""
+        """Every live replica, by host, then pid: each service whose liveness mark the
+        store holds now, with the leases it holds (none, for an idle one)."""
         return await self._run(_replicas, self._lease)
 
     async def aclose(self) -> None:
