@@ -631,9 +631,9 @@ async def test_bad_input_names_the_parameter(backend: Backend) -> None:
             await admin.requests("jobs", state="done")
         with pytest.raises(ValueError, match=r"^state must be"):
             await admin.count_where("jobs", state="claimed")
-        with pytest.raises(ValueError, match=r"^limit must be 1 to 500, not 0"):
+        with pytest.raises(ValueError, match=r"^limit must be an int in 1\.\.500, not 0$"):
             await admin.requests("jobs", limit=0)
-        with pytest.raises(ValueError, match=r"^limit must be 1 to 500, not 501"):
+        with pytest.raises(ValueError, match=r"^limit must be an int in 1\.\.500, not 501$"):
             await admin.requests("jobs", limit=501)
         with pytest.raises(TypeError, match=r"^limit must be an int"):
             await admin.requests("jobs", limit=1.0)
@@ -647,6 +647,34 @@ async def test_bad_input_names_the_parameter(backend: Backend) -> None:
             await admin.count_where("jobs", group="")
     with pytest.raises(RuntimeError, match="closed"):
         await admin.counts("jobs")
+
+
+@pytest.mark.parametrize("value", [0, -1, 2**63, 2**64, 10**30])
+async def test_an_id_out_of_range_is_refused_naming_the_parameter_and_the_rule(
+    backend: Backend, value: int
+) -> None:
+    """Every int the admin takes is checked once, before any SQL: the store's integers are
+    64-bit, and SQLite's driver raised OverflowError past them."""
+    store = backend.store()
+    await create_schema(store)
+    ids = enqueue(backend, [1, 2])
+    rule = r"must be an int in 1\.\.2\*\*63-1 \(a request's id\), not " + str(value) + "$"
+    async with store.admin() as admin:
+        with pytest.raises(ValueError, match="^after " + rule):
+            await admin.requests("jobs", after=value)
+        with pytest.raises(ValueError, match="^id_or_key " + rule):
+            await admin.lookup("jobs", value)
+        with pytest.raises(ValueError, match="^id_or_key " + rule):
+            await admin.cancel("jobs", value)
+        with pytest.raises(ValueError, match="^id " + rule):
+            await admin.retry("jobs", value)
+        # The bounds themselves are ids.
+        assert [row.id for row in (await admin.requests("jobs", after=2**63 - 1)).rows] == ids[::-1]
+        assert (await admin.requests("jobs", after=1)).rows == []
+        assert await admin.lookup("jobs", 2**63 - 1) is None
+        assert not await admin.cancel("jobs", 2**63 - 1)
+        assert not await admin.retry("jobs", 2**63 - 1)
+        assert await admin.counts("jobs") == {**await admin.counts("jobs"), "queued": 2}
 
 
 def test_the_admin_needs_no_trio_run_to_be_made(tmp_path: Any) -> None:

@@ -551,7 +551,7 @@ def test_a_sqlite_file_of_version_4_is_migrated(tmp_path: Path) -> None:
     connection.close()
     check_rescues_counted(tickler.SqliteStore(path))
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (7,)
+        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (8,)
     db.close()
 
 
@@ -584,7 +584,7 @@ def test_a_postgres_schema_of_version_3_is_migrated(
         version = db.execute(
             f'SELECT version FROM "{postgres_schema}".tickler_schema'  # noqa: S608
         ).fetchone()
-    assert version == (7,)
+    assert version == (8,)
 
 
 def test_a_postgres_schema_of_version_6_is_migrated_to_an_index_of_groups_without_running_rows(
@@ -636,7 +636,7 @@ def test_a_postgres_schema_of_version_6_is_migrated_to_an_index_of_groups_withou
             f'SELECT group_name, state FROM "{postgres_schema}".tickler_requests'  # noqa: S608
             " WHERE group_name IS NOT NULL"
         ).fetchall()
-    assert version == (7,)
+    assert version == (8,)
     assert grouped == [("g", "queued")]
     fresh = f"{postgres_schema}_fresh"
     tickler.PostgresStore(postgres_dsn, schema=fresh).create_schema()

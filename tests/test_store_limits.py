@@ -719,7 +719,7 @@ def test_a_sqlite_file_of_version_3_is_migrated(tmp_path: Path) -> None:
     connection.close()
     check_migrated(tickler.SqliteStore(path, **FAST))
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (7,)
+        assert db.execute("SELECT version FROM tickler_schema").fetchone() == (8,)
         names = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
     db.close()
     assert {
@@ -728,7 +728,8 @@ def test_a_sqlite_file_of_version_3_is_migrated(tmp_path: Path) -> None:
         "tickler_starts_by_group",
         "tickler_by_state",
     } <= names
-    assert sqlite_store.SCHEMA_VERSION == 7  # v4 -> v5 (admin), v6 (traces), v7 (rescues)
+    # v4 -> v5 (admin), v6 (traces), v7 (rescues), v8 (the replicas' hosts and pids)
+    assert sqlite_store.SCHEMA_VERSION == 8
 
 
 def test_a_postgres_schema_of_version_2_is_migrated(
@@ -758,15 +759,16 @@ def test_a_postgres_schema_of_version_2_is_migrated(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (postgres_schema,)
             )
         }
-    assert version == (7,)
+    assert version == (8,)
     assert {
         "tickler_groups",
         "tickler_starts_by_group",
         "tickler_by_state",
         "tickler_by_group",
     } <= indexes
-    # v3 -> v4 (admin), v5 (traces), v6 (rescues), v7 (a group's index without running rows)
-    assert postgres_store.SCHEMA_VERSION == 7
+    # v3 -> v4 (admin), v5 (traces), v6 (rescues), v7 (a group's index without running rows),
+    # v8 (the replicas' hosts and pids)
+    assert postgres_store.SCHEMA_VERSION == 8
 
 
 def check_migrated(store: Any) -> None:

@@ -651,7 +651,8 @@ def test_a_sqlite_file_of_version_2_is_migrated(tmp_path: Path) -> None:
         return int(found)
 
     check_migrated(tickler.SqliteStore(path, **FAST), version, SCHEMA_VERSION)
-    assert SCHEMA_VERSION == 7  # v3 scheduling, v4 limits, v5 admin, v6 traces, v7 rescues
+    # v3 scheduling, v4 limits, v5 admin, v6 traces, v7 rescues, v8 the replicas' hosts and pids
+    assert SCHEMA_VERSION == 8
 
 
 def test_a_postgres_schema_of_version_1_is_migrated(
@@ -684,4 +685,4 @@ def test_a_postgres_schema_of_version_1_is_migrated(
     store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema, **FAST)
     check_migrated(store, version, SCHEMA_VERSION)
     # v2 scheduling, v3 limits, v4 admin, v5 traces, v6 rescues, v7 group index without running
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8

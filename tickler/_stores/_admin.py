@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -140,19 +142,34 @@ class QueueOverview:
 
 @attrs.frozen
 class Replica:
-    """A service holding leases now: an owner of running requests."""
+    """A live replica: a service whose liveness mark the store holds now (see
+    docs/failures.md), whether it holds work or not."""
 
     owner: str
-    leased: int
-    """How many running requests it holds."""
-    last_renewed: float | None
+    """The service's id in the store: the owner of the requests it runs."""
+    host: str
+    """The host of its process, as ``socket.gethostname()`` gave it when the mark was
+    taken."""
+    pid: int
+    """Its process's id on that host."""
+    since: float
+    """When it took its liveness mark (epoch seconds): its start, or its last new owner
+    id (PostgreSQL: or its mark taken again after a server restart)."""
+    leased: int = 0
+    """How many running requests it holds (claimed ones included); 0 for an idle one."""
+    last_renewed: float | None = None
     """When it last renewed its leases (epoch seconds): its latest lease_until less the
-    admin's store's ``lease``, which the replicas are assumed to share."""
-    lease_until: float
-    """Its latest lease's end; past means the replica stopped renewing (it died, or lost
-    the store), and its requests go to another replica."""
+    admin's store's ``lease``, which the replicas are assumed to share; None if it holds
+    none."""
+    lease_until: float | None = None
+    """Its latest lease's end; None if it holds none."""
     queues: list[str] = attrs.Factory(list)
     """The queues of its running requests."""
+
+
+def this_process() -> tuple[str, int]:
+    """The host and the id of this process, as a replica's liveness mark records them."""
+    return socket.gethostname(), os.getpid()
 
 
 class AdminDialect(Dialect, Protocol):
@@ -177,6 +194,11 @@ class AdminDialect(Dialect, Protocol):
         where the server went away)."""
         ...
 
+    def live_owners(self) -> list[tuple[str, str, int, float]]:
+        """(owner, host, pid, since) of each service whose liveness mark the store holds
+        now, as recorded with the mark. Reads only."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -187,10 +209,35 @@ def _check_queue(queue: object) -> str:
     return queue
 
 
-def _check_id(value: object, name: str) -> int:
+# A request's id, as every store numbers them (PostgreSQL's bigint, SQLite's integer).
+MAX_ID = 2**63 - 1
+
+
+def _check_int(value: object, name: str, low: int, high: int, what: str = "") -> int:
+    """``value``, an int in ``low``..``high``: the one check of every int the admin takes.
+
+    Raises:
+        TypeError: not an int (a bool is not one).
+        ValueError: out of range; the message names ``name`` and the range.
+    """
+    bound = "2**63-1" if high == MAX_ID else str(high)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (a request's id), not {type(value).__name__}")
+        raise TypeError(f"{name} must be an int{what}, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an int in {low}..{bound}{what}, not {value}")
     return value
+
+
+def _check_id(value: object, name: str) -> int:
+    return _check_int(value, name, 1, MAX_ID, " (a request's id)")
+
+
+def _check_id_or_key(id_or_key: object) -> None:
+    """An int is an id (checked as one); anything else a key."""
+    if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
+        _check_id(id_or_key, "id_or_key")
+    else:
+        _check_key(id_or_key, "id_or_key")
 
 
 def _check_key(key: object, name: str) -> str:
@@ -259,8 +306,6 @@ def _queues(d: AdminDialect) -> list[str]:
 def _row(d: AdminDialect, queue: str, id_or_key: object) -> tuple[Any, ...] | None:
     m = d.mark
     if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-        if not 0 < id_or_key < 2**63:
-            return None
         sql = f"SELECT {_COLUMNS} FROM tickler_requests WHERE queue = {m} AND id = {m}"
         found = d.execute(sql, (queue, id_or_key)).fetchone()
     else:
@@ -358,8 +403,6 @@ def _retry_sql(m: str, where: str) -> str:
 def _retry(d: AdminDialect, queue: str, request_id: int) -> int:
     """0 as well where a request of its key was enqueued while the retry ran (its key is
     live again: the request stays as it was)."""
-    if not 0 < request_id < 2**63:
-        return 0
     m = d.mark
     sql = _retry_sql(m, f"queue = {m} AND id = {m}")
     try:
@@ -540,21 +583,32 @@ def _overviews(d: AdminDialect) -> list[QueueOverview]:
 
 
 def _replicas(d: AdminDialect, lease: float) -> list[Replica]:
-    # On tickler_running: the running rows alone.
+    """Each live replica (by host, then pid), with the leases it holds (on
+    tickler_running: the running rows alone)."""
     sql = (
         "SELECT owner, queue, count(*), max(lease_until) FROM tickler_requests"
         " WHERE state = 'running' AND owner IS NOT NULL GROUP BY owner, queue"
     )
-    found: dict[str, tuple[int, float, list[str]]] = {}
+    held: dict[str, tuple[int, float, list[str]]] = {}
     for owner, queue, count, until in d.execute(sql, ()):
-        leased, latest, queues = found.get(owner, (0, -math.inf, []))
-        found[owner] = (leased + int(count), max(latest, float(until)), [*queues, str(queue)])
-    return [
-        Replica(owner, leased, until - lease, until, sorted(queues))
-        for owner, (leased, until, queues) in sorted(
-            found.items(), key=lambda item: (-item[1][1], item[0])
+        leased, latest, queues = held.get(owner, (0, -math.inf, []))
+        held[owner] = (leased + int(count), max(latest, float(until)), [*queues, str(queue)])
+    found = []
+    for owner, host, pid, since in d.live_owners():
+        leased, until, queues = held.get(owner, (0, None, []))
+        found.append(
+            Replica(
+                owner=owner,
+                host=host,
+                pid=pid,
+                since=since,
+                leased=leased,
+                last_renewed=None if until is None else until - lease,
+                lease_until=until,
+                queues=sorted(queues),
+            )
         )
-    ]
+    return sorted(found, key=lambda r: (r.host, r.pid, r.owner))
 
 
 # -- The API
@@ -564,7 +618,10 @@ class Admin:
     """Acts on every queue of a store, with no service running: see ``store.admin()``.
 
     Every method is async and runs its SQL on a worker thread, one call at a time on the
-    admin's own session (connection), opened at the first call. Any Trio run may call it.
+    admin's own session (one connection), opened at the first call. Any Trio run may
+    call it. A read-only admin (``store.admin(read_only=True)``) writes nothing: its
+    session opens the store read-only, and each method that would write raises
+    PermissionError.
     """
 
     def __init__(
@@ -573,6 +630,8 @@ class Admin:
         connect: Callable[[], AdminDialect],
         codecs: dict[str, Codec],
         lease: float,
+        *,
+        read_only: bool = False,
     ) -> None:
         self._name = name
         self._connect = connect
@@ -581,9 +640,14 @@ class Admin:
         self._session: AdminDialect | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.read_only = read_only
 
     def __repr__(self) -> str:
-        return f"<admin of {self._name}>"
+        return f"<{'read-only ' if self.read_only else ''}admin of {self._name}>"
+
+    def _writes(self, action: str) -> None:
+        if self.read_only:
+            raise PermissionError(f"{self!r} writes nothing: {action} refused")
 
     async def _run(self, call: Callable[..., _T], *args: Any) -> _T:
         def work() -> _T:
@@ -635,10 +699,12 @@ class Admin:
         return await self._run(_queues)
 
     async def lookup(self, queue: str, id_or_key: object) -> AdminRequest | None:
-        """The request of an int id, or of a key (its live request, else its latest)."""
+        """The request of an int id, or of a key (its live request, else its latest).
+
+        An id is an int in 1..2**63-1 (MAX_ID), else ValueError; the same in ``cancel``
+        and ``retry``."""
         _check_queue(queue)
-        if not isinstance(id_or_key, int) or isinstance(id_or_key, bool):
-            _check_key(id_or_key, "id_or_key")
+        _check_id_or_key(id_or_key)
         row = await self._run(_row, queue, id_or_key)
         return None if row is None else self._request(row)
 
@@ -647,8 +713,8 @@ class Admin:
         owner, which withdraws the attempt within one poll_interval, and it ends
         CANCELLED. False if the request is final, or unknown."""
         _check_queue(queue)
-        if not isinstance(id_or_key, int) or isinstance(id_or_key, bool):
-            _check_key(id_or_key, "id_or_key")
+        _check_id_or_key(id_or_key)
+        self._writes("cancel")
         return await self._run(_cancel, queue, id_or_key)
 
     async def retry(self, queue: str, id: int) -> bool:
@@ -657,6 +723,7 @@ class Admin:
         key is held by a later request."""
         _check_queue(queue)
         _check_id(id, "id")
+        self._writes("retry")
         return bool(await self._run(_retry, queue, id))
 
     async def pause(self, queue: str) -> bool:
@@ -667,11 +734,13 @@ class Admin:
         queue may be paused ahead of its first deploy, but it may be a misspelt name:
         ``python -m tickler pause`` then warns, naming the known queues."""
         _check_queue(queue)
+        self._writes("pause")
         return await self._run(_set_paused, queue, True)
 
     async def resume(self, queue: str) -> bool:
         """Let the queue's services claim again; whether the store knew it, as pause()."""
         _check_queue(queue)
+        self._writes("resume")
         return await self._run(_set_paused, queue, False)
 
     async def counts(self, queue: str) -> dict[str, int]:
@@ -690,15 +759,17 @@ class Admin:
         limit: int = 50,
     ) -> AdminPage:
         """A page of the queue's requests, newest (highest id) first, of those with ids
-        below ``after``."""
+        below ``after``.
+
+        Raises:
+            ValueError: ``after`` is not in 1..2**63-1 (MAX_ID), or ``limit`` not in
+                1..MAX_LIMIT; ``state``, ``key`` or ``group`` is not one.
+        """
         _check_queue(queue)
         f = _Filter.of(state, key, group)
         if after is not None:
             _check_id(after, "after")
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise TypeError(f"limit must be an int, not {type(limit).__name__}")
-        if not 1 <= limit <= MAX_LIMIT:
-            raise ValueError(f"limit must be 1 to {MAX_LIMIT}, not {limit}")
+        _check_int(limit, "limit", 1, MAX_LIMIT)
         rows = await self._run(_page, queue, f, after, limit + 1)
         page = [self._request(row) for row in rows[:limit]]
         return AdminPage(page, page[-1].id if len(rows) > limit else None)
@@ -716,7 +787,9 @@ class Admin:
         """cancel() of every live request the filter selects, in one statement; how many
         were cancelled or asked to cancel."""
         _check_queue(queue)
-        return await self._run(_cancel_where, queue, _Filter.of(state, key, group))
+        f = _Filter.of(state, key, group)
+        self._writes("cancel_where")
+        return await self._run(_cancel_where, queue, f)
 
     async def retry_where(
         self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
@@ -724,14 +797,17 @@ class Admin:
         """retry() of every failed or cancelled request the filter selects, in one
         statement; how many were queued again."""
         _check_queue(queue)
-        return await self._run(_retry_where, queue, _Filter.of(state, key, group))
+        f = _Filter.of(state, key, group)
+        self._writes("retry_where")
+        return await self._run(_retry_where, queue, f)
 
     async def overview(self) -> list[QueueOverview]:
         """Each queue at a glance (see QueueOverview)."""
         return await self._run(_overviews)
 
     async def replicas(self) -> list[Replica]:
-        """The services holding leases now, the latest lease first."""
+        """Every live replica, by host, then pid: each service whose liveness mark the
+        store holds now, with the leases it holds (none, for an idle one)."""
         return await self._run(_replicas, self._lease)
 
     async def aclose(self) -> None:

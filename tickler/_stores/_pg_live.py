@@ -3,8 +3,9 @@ its own, which the server releases when the session ends.
 
 A service's session takes the lock of its owner id (``hashtextextended('tickler:owner:'
 || owner, 0)``) on a connection that does nothing else, and records the owner in
-``tickler_owners`` with the time it took the lock. The server ends a dead client's
-session, and the lock with it: another replica's batch then finds the lock free
+``tickler_owners`` with the time it took the lock, and its process's host and pid (the
+admin lists the owners whose lock is held: see LIVE_OWNERS). The server ends a dead
+client's session, and the lock with it: another replica's batch then finds the lock free
 (pg_try_advisory_xact_lock, held until its transaction ends) and rescues the owner's
 rows at once. An owner whose record is older than the server's start has not taken its
 lock again since a restart: it may be alive and reconnecting, and only its lease
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import StoreError
+from ._admin import this_process
 
 logger = logging.getLogger("tickler")
 
@@ -65,6 +67,19 @@ WHERE l.locktype = 'advisory' AND l.classid = {BATCH_LOCK} AND l.objsubid = 2
         OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user))
 """  # noqa: S608 (constants only)
 
+# The recorded owners whose lock the session that took it holds now, read in pg_locks
+# (which every role may read) without taking any lock. A bigint advisory lock's key is its
+# classid (the high 32 bits) and objid (the low 32), objsubid 1. The holder must be the
+# backend recorded with the owner: another replica's look at a dead owner holds its lock
+# for an instant too (pg_try_advisory_xact_lock), and must not make it look alive.
+LIVE_OWNERS = f"""
+SELECT o.owner, o.host, o.pid, o.locked_at FROM tickler_owners AS o
+WHERE ({LOCK_KEY.format(owner="o.owner")}, o.backend_pid) IN (
+    SELECT (l.classid::int8 << 32) | l.objid::int8, l.pid FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+"""  # noqa: S608 (constants only)
+
 # How long a session tries to take its lock (a replica's batch holds it for an instant
 # while it asks whether the owner is alive).
 _TAKE_FOR = 2.0
@@ -83,9 +98,12 @@ class Liveness:
         # One round trip: try the lock; if taken, record it; and the server's start.
         self.take = (
             f"WITH locked AS (SELECT pg_try_advisory_lock({LOCK_KEY.format(owner='%s')}) AS ok),"  # noqa: S608 (a checked identifier)
-            f" recorded AS (INSERT INTO {owners} (owner, locked_at)"
-            " SELECT %s, extract(epoch FROM clock_timestamp()) FROM locked WHERE ok"
-            " ON CONFLICT (owner) DO UPDATE SET locked_at = excluded.locked_at RETURNING 1)"
+            f" recorded AS (INSERT INTO {owners} (owner, locked_at, host, pid, backend_pid)"
+            " SELECT %s, extract(epoch FROM clock_timestamp()), %s, %s, pg_backend_pid()"
+            " FROM locked WHERE ok"
+            " ON CONFLICT (owner) DO UPDATE SET locked_at = excluded.locked_at,"
+            " host = excluded.host, pid = excluded.pid, backend_pid = excluded.backend_pid"
+            " RETURNING 1)"
             " SELECT ok, extract(epoch FROM pg_postmaster_start_time())::float8,"
             " (SELECT count(*) FROM recorded) FROM locked"
         )
@@ -168,7 +186,7 @@ class Liveness:
         """Take owner's lock on ``db`` and record it; False if another session holds it."""
         give_up = time.monotonic() + _TAKE_FOR
         while True:
-            row = db.execute(self.take, (owner, owner)).fetchone()
+            row = db.execute(self.take, (owner, owner, *this_process())).fetchone()
             if row is not None and row[0]:
                 self.started = float(row[1])
                 return True

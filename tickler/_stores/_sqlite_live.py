@@ -43,6 +43,12 @@ def _flock(kind: int, offset: int) -> bytes:
     return struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0)
 
 
+def _free(fd: int, owner: str) -> bool:
+    """Whether ``owner``'s byte is free, asked of the kernel on ``fd`` without taking it."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, byte_of(owner)))
+    return bool(struct.unpack(_FLOCK, answer)[0] == fcntl.F_UNLCK)
+
+
 class Liveness:
     """One session's lock, and its looks at other owners' locks."""
 
@@ -87,12 +93,22 @@ class Liveness:
         if self.fd is None:
             self._open()
         assert self.fd is not None
-        found = []
-        for owner in owners:
-            answer = fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, byte_of(owner)))
-            if struct.unpack(_FLOCK, answer)[0] == fcntl.F_UNLCK:
-                found.append(owner)
-        return found
+        return [owner for owner in owners if _free(self.fd, owner)]
+
+    def held(self, owners: list[str]) -> list[str]:
+        """Those of ``owners`` whose lock is held, asked on a description of the lock file
+        opened read-only: this creates and writes nothing (no lock file: none is held).
+        Where the kernel has no such locks, every one counts as held."""
+        if not SUPPORTED:
+            return list(owners)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return []
+        try:
+            return [owner for owner in owners if not _free(fd, owner)]
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         """Give the lock up (closing the description releases it)."""

@@ -23,7 +23,7 @@ from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
 from ._admin import Admin
 from ._pg_listen import Listener
-from ._pg_live import BATCH_LOCK, LOCK_KEY, Liveness
+from ._pg_live import BATCH_LOCK, LIVE_OWNERS, LOCK_KEY, Liveness
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tickler")
 
 # The version of the tables below.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _T = TypeVar("_T")
 
@@ -106,7 +106,8 @@ CREATE INDEX tickler_finished ON tickler_requests (finished_at)
 {_V4};
 {_TRACE_CONTEXT};
 {_RESCUES};
-{_IDLE_BY_GROUP}
+{_IDLE_BY_GROUP};
+{_OWNERS_WHEREABOUTS}
 """
 
 # Version 2, from version 1: each row's priority and the time until which it holds its
@@ -282,6 +283,16 @@ CREATE INDEX tickler_by_group ON tickler_requests (queue, group_name, state, id)
     WHERE group_name IS NOT NULL AND state <> 'running'
 """
 
+# Version 8, from version 7: each owner's host and process, recorded with its liveness
+# lock (see _pg_live), which the admin lists as replicas; and the server's backend that
+# holds the lock (NULL: a replica of an older tickler took it, and is not listed). A
+# step of its own, skipped where the schema already has it.
+_OWNERS_WHEREABOUTS = """
+ALTER TABLE tickler_owners ADD COLUMN IF NOT EXISTS host TEXT;
+ALTER TABLE tickler_owners ADD COLUMN IF NOT EXISTS pid INTEGER;
+ALTER TABLE tickler_owners ADD COLUMN IF NOT EXISTS backend_pid INTEGER
+"""
+
 _SCHEMA = _SCHEMA.format(
     _V2=_V2,
     _V3=_V3,
@@ -289,6 +300,7 @@ _SCHEMA = _SCHEMA.format(
     _TRACE_CONTEXT=_TRACE_CONTEXT,
     _RESCUES=_RESCUES,
     _IDLE_BY_GROUP=_IDLE_BY_GROUP,
+    _OWNERS_WHEREABOUTS=_OWNERS_WHEREABOUTS,
 )
 
 # From each older version, the statements that bring a schema to the next one.
@@ -299,6 +311,7 @@ _MIGRATIONS = {
     4: _TRACE_CONTEXT,
     5: _RESCUES,
     6: _IDLE_BY_GROUP,
+    7: _OWNERS_WHEREABOUTS,
 }
 
 # The states of the partial indexes above, in their very words, so that a
@@ -908,13 +921,30 @@ class PostgresStore:
         """Connect, creating or checking the schema. Blocking: call it on a thread."""
         return PostgresSession(self)
 
-    def admin(self) -> Admin:
+    def admin(self, *, read_only: bool = False) -> Admin:
         """The admin API on every queue of the schema, with no service running.
 
-        Its methods are async; it opens its own connection at its first call (creating
-        or upgrading the schema, as a service does) and closes it at ``aclose()``.
+        Its methods are async; it opens its own connection (one) at its first call
+        (creating or upgrading the schema, as a service does) and closes it at
+        ``aclose()``.
+
+        Args:
+            read_only: a read-only session (``default_transaction_read_only``) that
+                creates, migrates and writes nothing: a role with USAGE on the schema and
+                SELECT on its tables is enough. Each method that would write raises
+                PermissionError. Its first call raises StoreError if the schema holds no
+                tickler tables yet, or a schema of another version (it is not brought up
+                to date).
         """
-        return Admin(repr(self), self.connect, self._codecs, self.lease)
+        if not isinstance(read_only, bool):
+            raise TypeError("read_only must be a bool")
+        return Admin(
+            repr(self),
+            functools.partial(PostgresSession, self, admin=True, read_only=read_only),
+            self._codecs,
+            self.lease,
+            read_only=read_only,
+        )
 
     def create_schema(self) -> None:
         """Create the schema and tickler's tables in it, unless they exist.
@@ -1213,14 +1243,22 @@ class PostgresSession:
     # sweep every 30 looks catches a commit slower than this).
     finals_overlap = 10.0
 
-    def __init__(self, store: PostgresStore) -> None:
+    def __init__(
+        self, store: PostgresStore, *, admin: bool = False, read_only: bool = False
+    ) -> None:
+        """A service's session; with ``admin``, the admin's: its one connection, and no
+        liveness connection (it runs no batch); ``read_only``: an admin's that writes
+        nothing (see _check_schema_read_only)."""
         self.store = store
+        self.read_only = read_only
         self.limits_written: dict[str, str] = {}
         self.limited_memo: dict[str, LimitedMemo] = {}
         self.db = self._open()
         self._pipeline: psycopg.Pipeline | None = None
         self._lease_ms: int | None = None  # a batch's lease, while it runs (see begin())
         self.liveness = Liveness(self._open_liveness, store.schema)
+        if admin:
+            return
         try:
             self.liveness.open()
         except BaseException:
@@ -1245,7 +1283,10 @@ class PostgresSession:
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from None
         try:
-            _check_schema(db, store.schema)
+            if self.read_only:
+                _check_schema_read_only(db, store.schema)
+            else:
+                _check_schema(db, store.schema)
         except BaseException:
             db.close()
             raise
@@ -1330,6 +1371,11 @@ class PostgresSession:
 
     def run_admin(self, call: Callable[..., _T], *args: Any) -> _T:
         return self._twice(call, *args)  # type: ignore[no-any-return]
+
+    def live_owners(self) -> list[tuple[str, str, int, float]]:
+        """The recorded owners whose liveness lock a session holds (see LIVE_OWNERS)."""
+        rows = self.db.execute(LIVE_OWNERS).fetchall()
+        return [(str(o), str(h), int(p), float(t)) for o, h, p, t in rows]
 
     # -- the Dialect
 
@@ -1653,6 +1699,36 @@ def _check_schema(db: psycopg.Connection[Any], schema: str) -> None:
         raise StoreError(
             f"schema {schema!r} has tickler schema version {row and row[0]}; this tickler"
             f" reads version {SCHEMA_VERSION}"
+        )
+
+
+def _check_schema_read_only(db: psycopg.Connection[Any], schema: str) -> None:
+    """Set the session read-only, in ``schema``, and check its tickler schema: nothing is
+    created or migrated, so a role with USAGE on the schema and SELECT on its tables is
+    enough (as for ``inspect``).
+
+    Raises:
+        StoreError: the schema holds no tickler tables, or a schema of another version.
+    """
+    import psycopg
+    import psycopg.sql
+
+    db.execute("SET default_transaction_read_only = on")
+    db.execute(psycopg.sql.SQL("SET search_path TO {}").format(psycopg.sql.Identifier(schema)))
+    try:
+        row = db.execute("SELECT version FROM tickler_schema").fetchone()
+    except psycopg.errors.UndefinedTable:
+        raise StoreError(
+            f"schema {schema!r} has no tickler tables yet, and a read-only admin creates"
+            " none: start a service on it, or call store.create_schema()"
+        ) from None
+    except psycopg.Error as exc:
+        raise StoreError(f"schema {schema!r} cannot be read: {exc}".strip()) from None
+    if row is None or row[0] != SCHEMA_VERSION:
+        raise StoreError(
+            f"schema {schema!r} has tickler schema version {row and row[0]}; a read-only admin"
+            f" reads version {SCHEMA_VERSION} and migrates nothing: start a service of this"
+            " tickler on it, or call store.create_schema(), to bring it up to date"
         )
 
 

@@ -8,6 +8,7 @@ _sql.run_batch, over SQLite's dialect, SqliteSession.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -22,7 +23,7 @@ import attrs
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
-from ._admin import Admin
+from ._admin import Admin, this_process
 from ._seam import Batch, BatchResult, Claimed, Row
 from ._sql import (
     COUNTED_STATE,
@@ -53,7 +54,7 @@ from ._sql import (
 )
 from ._sqlite_live import Liveness
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _T = TypeVar("_T")
 
@@ -286,6 +287,23 @@ def _to_v7(db: sqlite3.Connection) -> None:
     db.execute(_RESCUES_TABLE)
 
 
+# Version 8's record of each live service (its owner id) with the host and process that
+# hold its liveness lock, and since when: what the admin lists as replicas. A service
+# writes its row as it takes its lock, and deletes it as it closes; a row whose lock is
+# free is deleted by the next service that writes its own, and never listed.
+_OWNERS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS tickler_owners ("
+    " owner TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, since REAL NOT NULL)"
+    " WITHOUT ROWID"
+)
+
+
+def _to_v8(db: sqlite3.Connection) -> None:
+    """Version 8: the live services, with their host and process (see _OWNERS_TABLE). A
+    step of its own, skipped where the file already has it."""
+    db.execute(_OWNERS_TABLE)
+
+
 # From each older version, what brings a file to the next one.
 _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _to_v2,
@@ -294,6 +312,7 @@ _MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     4: _to_v5,
     5: _add_trace_context,
     6: _to_v7,
+    7: _to_v8,
 }
 
 # A keyed row, unless its key is held by a row whose unique_until has not come, or live
@@ -360,6 +379,14 @@ _COUNT_RESCUES = (
     "INSERT INTO tickler_rescues (queue, reason, count) VALUES (?, ?, ?)"
     " ON CONFLICT (queue, reason) DO UPDATE SET count = count + excluded.count"
 )
+
+_RECORD_OWNER = (
+    "INSERT INTO tickler_owners (owner, host, pid, since) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (owner) DO UPDATE"
+    " SET host = excluded.host, pid = excluded.pid, since = excluded.since"
+)
+_OTHER_OWNERS = "SELECT owner FROM tickler_owners WHERE owner <> ?"
+_FORGET_OWNERS = "DELETE FROM tickler_owners WHERE owner IN (SELECT value FROM json_each(?))"
 
 _LIVE_WHERE = f"SELECT id, state FROM tickler_requests WHERE queue = ? AND {_LIVE_STATE} AND"  # noqa: S608 (constants only)
 _ROW = f"SELECT {ROW_COLUMNS} FROM tickler_requests"  # noqa: S608 (constants only)
@@ -629,13 +656,28 @@ class SqliteStore:
         """Open the file, creating or checking its schema. Blocking: call it on a thread."""
         return SqliteSession(self)
 
-    def admin(self) -> Admin:
+    def admin(self, *, read_only: bool = False) -> Admin:
         """The admin API on every queue of the file, with no service running.
 
         Its methods are async; it opens its own connection at its first call (creating
         or upgrading the schema, as a service does) and closes it at ``aclose()``.
+
+        Args:
+            read_only: open the file read-only (SQLite's ``mode=ro``): the admin creates,
+                migrates and writes nothing, and leaves the journal mode as it is; each
+                method that would write raises PermissionError. Its first call raises
+                StoreError if the file is missing, holds no tickler tables yet, or a
+                schema of another version (it is not brought up to date).
         """
-        return Admin(repr(self), self.connect, self._codecs, self.lease)
+        if not isinstance(read_only, bool):
+            raise TypeError("read_only must be a bool")
+        return Admin(
+            repr(self),
+            functools.partial(SqliteSession, self, read_only=read_only),
+            self._codecs,
+            self.lease,
+            read_only=read_only,
+        )
 
     def create_schema(self) -> None:
         """Create tickler's tables in the file, or bring an older schema up to date.
@@ -807,13 +849,18 @@ class SqliteSession:
     # SQLite's writers commit one at a time, in the order of their times.
     finals_overlap = 1.0
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: SqliteStore, *, read_only: bool = False) -> None:
         self.limits_written: dict[str, str] = {}
         self.limited_memo: dict[str, LimitedMemo] = {}
         path = store.path
         self.liveness = Liveness(path)
+        # The owner whose row of tickler_owners this session wrote (see _OWNERS_TABLE).
+        self._recorded: str | None = None
         if path.is_dir():
             raise StoreError(f"{path} is a directory, not a SQLite database")
+        if read_only:
+            self.db = _open_read_only(path)
+            return
         try:
             db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=60)
         except sqlite3.Error as exc:
@@ -841,6 +888,8 @@ class SqliteSession:
         lost = self.liveness.hold(owner, batch.renew)
         if lost:
             batch = attrs.evolve(batch, claim=0, renew=False)
+        elif owner != self._recorded:
+            self._record(owner)
         self._look = batch.renew
         result = run_batch(self, queue, owner, lease, retention, batch)
         result.lost = lost
@@ -856,8 +905,34 @@ class SqliteSession:
         return counts(self, queue)
 
     def close(self) -> None:
+        if self._recorded is not None:
+            # (Best effort: a row left behind is never listed once the lock goes.)
+            with contextlib.suppress(sqlite3.Error):
+                self.db.execute("PRAGMA busy_timeout = 2000")
+                self.db.execute(_FORGET_OWNERS, (json.dumps([self._recorded]),))
         self.liveness.release()
         self.db.close()
+
+    def _record(self, owner: str) -> None:
+        """Write ``owner``'s row of tickler_owners, this process's host and pid in it, now
+        that its lock is held; delete the rows of the owner it replaces and of the owners
+        whose lock is free. Once per owner id: a transaction of its own."""
+        x = self.db.execute
+        others = [row[0] for row in x(_OTHER_OWNERS, (owner,))]
+        gone = self.liveness.dead(others)
+        if self._recorded is not None:
+            gone.append(self._recorded)
+        host, pid = this_process()
+        self.begin()
+        try:
+            x(_RECORD_OWNER, (owner, host, pid, time.time()))
+            if gone:
+                x(_FORGET_OWNERS, (json.dumps(gone),))
+            self.commit()
+        except BaseException:
+            self.rollback()
+            raise
+        self._recorded = owner
 
     # -- the admin's words (see _admin.AdminDialect)
 
@@ -877,6 +952,12 @@ class SqliteSession:
         except BaseException:
             self.rollback()
             raise
+
+    def live_owners(self) -> list[tuple[str, str, int, float]]:
+        """The recorded owners whose lock is held, asked of the kernel without taking it."""
+        rows = self.db.execute("SELECT owner, host, pid, since FROM tickler_owners").fetchall()
+        held = set(self.liveness.held([row[0] for row in rows]))
+        return [(str(o), str(h), int(p), float(t)) for o, h, p, t in rows if o in held]
 
     # -- the Dialect
 
@@ -1083,12 +1164,66 @@ class SqliteSession:
         return found.copy
 
 
-def _check_schema(db: sqlite3.Connection, path: Path) -> None:
-    """Create tickler's tables in the file, or check (and migrate) the ones it holds."""
+def _connect_read_only(path: Path, **options: Any) -> sqlite3.Connection:
+    """A connection that can only read the file (``mode=ro``): it creates no file, no
+    table, and leaves the journal mode as it is. Raises sqlite3.Error."""
+    db: sqlite3.Connection = sqlite3.connect(
+        f"{path.resolve().as_uri()}?mode=ro", uri=True, **options
+    )
+    return db
+
+
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    """The file opened read-only, its tickler schema checked (none is created or migrated).
+
+    Raises:
+        StoreError: the file is missing, not a SQLite database, holds no tickler tables,
+            or a schema of another version than SCHEMA_VERSION.
+    """
+    if not path.is_file():
+        raise StoreError(f"{path}: no such file (a read-only admin creates none)")
     try:
-        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        db = _connect_read_only(path, check_same_thread=False, isolation_level=None, timeout=60)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open {path} read-only: {exc}") from None
+    try:
+        _check_schema_read_only(db, path)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _tables(db: sqlite3.Connection, path: Path) -> set[str]:
+    """The names of the file's tables (and indexes, views, triggers).
+
+    Raises:
+        StoreError: the file is not a SQLite database.
+    """
+    try:
+        return {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
     except sqlite3.DatabaseError as exc:
         raise StoreError(f"{path} is not a SQLite database ({exc})") from None
+
+
+def _check_schema_read_only(db: sqlite3.Connection, path: Path) -> None:
+    if "tickler_schema" not in _tables(db, path):
+        raise StoreError(
+            f"{path} has no tickler tables yet, and a read-only admin creates none: start"
+            " a service on it, or call store.create_schema()"
+        )
+    row = db.execute("SELECT version FROM tickler_schema").fetchone()
+    if row is None or row[0] != SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} has tickler schema version {row and row[0]}; a read-only admin reads"
+            f" version {SCHEMA_VERSION} and migrates nothing: start a service of this"
+            " tickler on it, or call store.create_schema(), to bring it up to date"
+        )
+
+
+def _check_schema(db: sqlite3.Connection, path: Path) -> None:
+    """Create tickler's tables in the file, or check (and migrate) the ones it holds."""
+    tables = _tables(db, path)
     if "tickler_schema" not in tables:
         # The application's own tables may share the file (enqueue_in
         # writes in its transactions), but not tables named as tickler's.
@@ -1111,6 +1246,7 @@ def _check_schema(db: sqlite3.Connection, path: Path) -> None:
                 _to_v5(db)
                 _add_trace_context(db)
                 _to_v7(db)
+                _to_v8(db)
                 db.execute("INSERT INTO tickler_schema VALUES (?)", (SCHEMA_VERSION,))
                 db.execute("COMMIT")
         except BaseException:
@@ -1159,7 +1295,7 @@ def inspect(path: Path, latest: int) -> dict[str, QueueReport]:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        db = _connect_read_only(path)
     except sqlite3.Error as exc:
         raise ValueError(f"{path}: cannot open it ({exc})") from None
     try:
@@ -1197,7 +1333,7 @@ def set_paused(path: Path, queue: str, paused: bool) -> list[str]:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
-        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        db = _connect_read_only(path)
         try:
             db.execute("SELECT version FROM tickler_schema").fetchone()
         finally:

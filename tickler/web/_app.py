@@ -233,7 +233,7 @@ class Dashboard:
     def admin(self) -> Admin:
         # Opened on first use: a mounted application gets no lifespan events of its own.
         if self._admin is None:
-            self._admin = self.store.admin()
+            self._admin = self.store.admin(read_only=self.read_only)
         return self._admin
 
     async def aclose(self) -> None:
@@ -420,7 +420,7 @@ async def detail(dashboard: Dashboard, request: Request) -> Response:
 
 
 async def replicas(dashboard: Dashboard, request: Request) -> Response:
-    rows = sorted(await dashboard.admin.replicas(), key=lambda row: row.owner)
+    rows = await dashboard.admin.replicas()  # by host, then PID
     return dashboard.render(request, "replicas.html", rows=rows)
 
 
