@@ -19,7 +19,7 @@ Rows:
   same subprocess ``bare_append(n)``: each revision's ns/call and its ratio
   to the bare locked append;
 - ``pg-drain``: ``bench.postgres.drain(dsn, "tickler", PgConfig(), n)``
-  (req/s), on the server that ``--dsn`` (or ``TICKLER_BENCH_DSN``) names.
+  (req/s), on the server that ``--dsn`` (or ``TICKLER_BENCH_POSTGRES``) names.
 
 With ``--lock PATH`` (or ``TICKLER_BENCH_LOCK``), each measurement runs
 under ``flock PATH``, so that measurements of several people on one machine
@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drain", type=int, default=100_000, help="requests drained")
     parser.add_argument(
         "--dsn",
-        default=os.environ.get("TICKLER_BENCH_DSN", DEFAULT_DSN),
-        help="the PostgreSQL server of pg-drain (default TICKLER_BENCH_DSN, or 127.0.0.1:5432)",
+        default=os.environ.get("TICKLER_BENCH_POSTGRES", DEFAULT_DSN),
+        help="pg-drain's server (default: TICKLER_BENCH_POSTGRES, else 127.0.0.1:5432)",
     )
     parser.add_argument(
         "--lock",
