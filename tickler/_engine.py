@@ -564,9 +564,7 @@ class _Engine(Generic[RequestT, ResultT]):
         lock.acquire()
         try:
             queue = self._queue
-            # tuned (bench: enqueue): the length is not kept: only the slow path needs it,
-            # and its twin (Intake.enqueue_checked) reads it again under the lock.
-            if len(queue) >= self._admit:
+            if len(queue) >= self._admit:  # tuned (bench: enqueue): no length kept
                 if self._store_run is not None:
                     # A service with a store: _admit is always 0, so that the
                     # in-memory hot path pays nothing for the store's path.
