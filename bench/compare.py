@@ -167,6 +167,8 @@ def compare(
     with tempfile.TemporaryDirectory(prefix="tickler-compare-") as directory:
         trees: list[Path] = []
         metadata = _metadata(Path(directory))
+        if out is not None:
+            out(f"worktrees in {directory}")
         try:
             for label, revision in zip("AB", revisions, strict=True):
                 commit = _git("rev-parse", "--verify", f"{revision}^{{commit}}", cwd=repo)
@@ -205,6 +207,7 @@ def render(table: dict[str, Row], revisions: Sequence[str]) -> str:
         ma, mb = (statistics.median(row.values[label]) for label in "AB")
         own = [
             f"{statistics.median(row.ratios[label]):.2f}x {row.baseline}"
+            f" ({min(row.ratios[label]):.2f}x to {max(row.ratios[label]):.2f}x)"
             if label in row.ratios
             else ""
             for label in "AB"
@@ -216,7 +219,10 @@ def render(table: dict[str, Row], revisions: Sequence[str]) -> str:
         )
     rounds = min(len(v) for row in table.values() for v in row.values.values())
     lines.append("")
-    lines.append(f"Medians of {rounds} rounds, the two revisions alternating in each.")
+    lines.append(
+        f"Medians of {rounds} rounds, the two revisions alternating in each; in brackets,"
+        " the lowest and highest of a revision's rounds."
+    )
     return "\n".join(lines)
 
 
