@@ -290,7 +290,7 @@ class TracerPart(Protocol):
         """The W3C (traceparent, tracestate) of each request's enqueue span, to store."""
 
     def batch_started(self, batch: Batch) -> object:
-        """A batch is about to be exchanged with the store: its span."""
+        """A batch is about to be exchanged with the store: what ``batch_ended`` is handed."""
 
     def batch_ended(
         self, span: object, result: BatchResult | None, error: BaseException | None
