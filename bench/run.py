@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import contextvars
 import gc
 import importlib
+import importlib.util
 import os
 import platform
 import signal
@@ -38,7 +40,7 @@ import trio
 
 import tickler
 
-from . import admin, postgres
+from . import postgres
 from ._table import Row, markdown
 
 T = TypeVar("T")
@@ -79,11 +81,15 @@ try:
 except ImportError:  # the `bench` extra is optional
     aiojobs = None  # type: ignore[assignment]
 
-try:  # huey ships no types
-    import huey  # type: ignore[import-untyped,unused-ignore]
-    import huey.consumer  # type: ignore[import-untyped,unused-ignore]
-except ImportError:  # the `bench` extra is optional
-    huey = None
+
+def has_huey() -> bool:
+    """Whether huey can be imported (the bench extra).
+
+    huey (and psycopg, for bench.admin) is imported where it is used, not
+    with this module: what a module imports stays alive, and the garbage
+    collector's full passes during the in-memory rows go over it too.
+    """
+    return importlib.util.find_spec("huey") is not None
 
 
 @dataclass
@@ -132,7 +138,7 @@ async def burst_tickler(
     n: int,
     concurrency: int,
     context_per_request: bool = False,
-    histograms: bool = False,
+    histograms: bool | None = None,
     priorities: bool = False,
     groups: int = 0,
     tracing: str | None = None,
@@ -144,43 +150,61 @@ async def burst_tickler(
     priorities, every other request is enqueued with priority=1 (half of
     them, interleaved with the priority-0 half). With groups, request i is
     in group ``f"g{i % groups}"`` (the names made before the clock starts)
-    and the service has ``limits=tickler.Limit(concurrency=1)``.
+    and the service has ``limits=tickler.Limit(concurrency=1)``. Without
+    histograms, the service keeps its default (on), as a user gets it.
     """
+    options: dict[str, Any] = {} if histograms is None else {"histograms": histograms}
     service = tickler.Service(
         _checkpoint_handler,
         capacity=concurrency,
         max_queue_length=None,
-        histograms=histograms,
         limits=tickler.Limit(concurrency=1) if groups else None,
+        **options,
     )
     names = [f"g{g}" for g in range(groups)]
+    # With tracing "drop", the requests are enqueued under a span of a trace that the
+    # sampler dropped, as a web request's span is when its trace is not sampled.
+    scope: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if tracing is not None:
-        _instrument(service, tracing)
+        scope = _instrument(service, tracing)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         enqueue = service.enqueue_request
         before = service.statistics().wakeups
         start = time.perf_counter()
-        if context_per_request:
-            for i in range(n):
-                in_own_context(enqueue, i)
-        elif groups:
-            for i in range(n):
-                enqueue(i, group=names[i % groups])
-        elif priorities:
-            for i in range(0, n - 1, 2):
-                enqueue(i)
-                enqueue(i + 1, priority=1)
-            if n % 2:
-                enqueue(n - 1)
-        else:
-            for i in range(n):
-                enqueue(i)
+        with scope:
+            _enqueue_burst(enqueue, n, context_per_request, priorities, names)
         await service.stop()
         elapsed = time.perf_counter() - start
     stats = service.statistics()
     assert stats.succeeded == n, stats
     return elapsed, (stats.wakeups - before) / n
+
+
+def _enqueue_burst(
+    enqueue: Callable[..., object],
+    n: int,
+    context_per_request: bool,
+    priorities: bool,
+    names: list[str],
+) -> None:
+    """The enqueues of burst_tickler (see there)."""
+    groups = len(names)
+    if context_per_request:
+        for i in range(n):
+            in_own_context(enqueue, i)
+    elif groups:
+        for i in range(n):
+            enqueue(i, group=names[i % groups])
+    elif priorities:
+        for i in range(0, n - 1, 2):
+            enqueue(i)
+            enqueue(i + 1, priority=1)
+        if n % 2:
+            enqueue(n - 1)
+    else:
+        for i in range(n):
+            enqueue(i)
 
 
 def has_otel() -> bool:
@@ -192,19 +216,33 @@ def has_otel() -> bool:
     return True
 
 
-def _instrument(service: tickler.Service[Any, None], tracing: str) -> None:
-    """Trace ``service``: "noop" (the API's no-op provider), "sdk" (no exporter), "memory"."""
+def _instrument(
+    service: tickler.Service[Any, None], tracing: str
+) -> contextlib.AbstractContextManager[object]:
+    """Trace ``service``: "noop" (the API's no-op provider), "drop" and "drop_roots" (the SDK,
+    with a sampler that drops every trace), "sdk" (no exporter), "memory" (an in-memory
+    exporter). Returns the scope to enqueue in: for "drop", a span of a dropped trace."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
     from opentelemetry.trace import NoOpTracerProvider
 
     import tickler.otel
 
-    provider: Any = NoOpTracerProvider() if tracing == "noop" else TracerProvider()
+    provider: Any = (
+        NoOpTracerProvider()
+        if tracing == "noop"
+        else TracerProvider(sampler=ALWAYS_OFF)
+        if tracing in ("drop", "drop_roots")
+        else TracerProvider()
+    )
     if tracing == "memory":
         provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     tickler.otel.instrument(service, tracer_provider=provider)
+    if tracing == "drop":
+        return provider.get_tracer("app").start_as_current_span("burst")  # type: ignore[no-any-return]
+    return contextlib.nullcontext()
 
 
 async def burst_sqlite(n: int, concurrency: int) -> float:
@@ -285,7 +323,9 @@ def drain_huey(n: int, workers: int, timeout: float = 600.0) -> float:
     its ``enqueue`` writes each (``huey.serialize_task``, the same INSERT),
     in one transaction instead of a committed transaction each.
     """
-    assert huey is not None
+    import huey  # type: ignore[import-untyped,unused-ignore]  # huey ships no types
+    import huey.consumer  # type: ignore[import-untyped,unused-ignore]
+
     with tempfile.TemporaryDirectory() as directory:
         queue = huey.SqliteHuey(QUEUE, filename=str(Path(directory) / "huey.db"), fsync=True)
         lock = threading.Lock()
@@ -642,7 +682,7 @@ def _machine() -> str:
         f"Python {platform.python_version()}, trio {version('trio')}, "
         f"trio-tickler {version('trio-tickler')}"
         + (f", aiojobs {version('aiojobs')}" if aiojobs is not None else "")
-        + (f", huey {version('huey')}" if huey is not None else "")
+        + (f", huey {version('huey')}" if has_huey() else "")
     )
 
 
@@ -656,6 +696,8 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
     # setup whichever queue it uses. The pool paying the same setup is measured
     # too, and a second tickler row divides by it: that ratio compares like
     # with like, and the pool's own ratio shows what the setup costs.
+    # Every tickler row runs the service as a user gets it (histograms on), but the one
+    # labelled histograms=False.
     table = {
         "tickler": Row("tickler", "burst", "tickler", [], "req/s", "pool", ("ratio", ">=", 1.25)),
         # The pool carries no context, so run from the enqueuer's context with
@@ -702,22 +744,50 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             "vs_aiojobs", "burst", "tickler", [], "req/s", "aiojobs", ("ratio", ">=", 10.0)
         ),
         "wakeups": Row("wakeups", "burst", "tickler wake-ups per request", [], "wakeups/req"),
-        # The wait and run time histograms' cost (on by default): the same burst with them,
-        # over the burst with histograms=False (the "tickler" row).
+        # The wait and run time histograms' cost (on by default): the "tickler" row (with
+        # them) over the same burst with histograms=False.
+        "no_histograms": Row(
+            "no_histograms", "burst", "tickler, histograms=False", [], "req/s", "pool"
+        ),
         "histograms": Row(
             "histograms",
             "burst",
-            "tickler, histograms=True (the default)",
+            "tickler (histograms on, the default)",
             [],
             "req/s",
-            "tickler",
+            "no_histograms",
             ("ratio", ">=", 0.97),
         ),
         # Tracing (tickler.otel), over the burst untraced: instrumented with the API's
-        # no-op tracer provider, with the SDK's and no exporter, and with the SDK's
-        # in-memory exporter (each span kept).
+        # no-op tracer provider, with the SDK and a sampler that drops every trace
+        # (what is not recorded must cost little), with the SDK's and no exporter, and
+        # with the SDK's in-memory exporter (each span kept).
         "otel_noop": Row(
-            "otel_noop", "burst", "tickler, traced: NoOpTracerProvider", [], "req/s", "tickler"
+            "otel_noop",
+            "burst",
+            "tickler, traced: NoOpTracerProvider",
+            [],
+            "req/s",
+            "tickler",
+            ("ratio", ">=", 0.8),
+        ),
+        "otel_drop": Row(
+            "otel_drop",
+            "burst",
+            "tickler, traced: SDK, sampler ALWAYS_OFF, enqueued under a dropped trace's span",
+            [],
+            "req/s",
+            "tickler",
+            ("ratio", ">=", 0.8),
+        ),
+        # Each enqueue the root of a trace of its own: the sampler is asked for each.
+        "otel_drop_roots": Row(
+            "otel_drop_roots",
+            "burst",
+            "tickler, traced: SDK, sampler ALWAYS_OFF, each enqueue a root",
+            [],
+            "req/s",
+            "tickler",
         ),
         "otel_sdk": Row(
             "otel_sdk", "burst", "tickler, traced: SDK, no exporter", [], "req/s", "tickler"
@@ -890,12 +960,13 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         sample("tickler", n / elapsed)
         sample("vs_aiojobs", n / elapsed)
         sample("wakeups", wakeups)
+        sample("histograms", n / elapsed)
         sample("pool", n / in_context(False, trio.run, burst_pool, n, c))
-        timed = in_context(False, trio.run, burst_tickler, n, c, False, True)[0]
-        sample("histograms", n / timed)
+        timed = in_context(False, trio.run, burst_tickler, n, c, False, False)[0]
+        sample("no_histograms", n / timed)
         if has_otel():
-            for tracing in ("noop", "sdk", "memory"):
-                args = (n, c, False, False, False, 0, tracing)
+            for tracing in ("noop", "drop", "drop_roots", "sdk", "memory"):
+                args = (n, c, False, None, False, 0, tracing)
                 timed = in_context(False, trio.run, burst_tickler, *args)[0]
                 sample(f"otel_{tracing}", n / timed)
         sample("tickler_var", n / in_context(True, trio.run, burst_tickler, n, c)[0])
@@ -909,9 +980,9 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         sample("spawn", n / in_context(False, trio.run, burst_spawn, n, c))
         if aiojobs is not None:
             sample("aiojobs", n / in_context(False, asyncio.run, burst_aiojobs(n, c)))
-        timed = in_context(False, trio.run, burst_tickler, n, c, False, False, True)[0]
+        timed = in_context(False, trio.run, burst_tickler, n, c, False, None, True)[0]
         sample("priorities", n / timed)
-        timed = in_context(False, trio.run, burst_tickler, n, c, False, False, False, BURST_GROUPS)[
+        timed = in_context(False, trio.run, burst_tickler, n, c, False, None, False, BURST_GROUPS)[
             0
         ]
         sample("groups", n / timed)
@@ -922,7 +993,7 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         elapsed = in_context(False, trio.run, drain_sqlite, d, c)
         sample("sqlite_drain", d / elapsed)
         sample("sqlite_drain_h1", d / elapsed)
-        if huey is not None:
+        if has_huey():
             sample("huey", d / in_context(False, drain_huey, d, c))
             sample("huey1", d / in_context(False, drain_huey, d, 1))
         with tempfile.TemporaryDirectory() as directory:
@@ -1019,7 +1090,7 @@ def _in_memory_notes(rows: dict[str, Row], config: Config) -> list[str]:
     ]
     if aiojobs is None:
         lines.append("aiojobs skipped: install the bench extra (pip install -e '.[bench]').")
-    if huey is None:
+    if not has_huey():
         lines.append("huey skipped: install the bench extra (pip install -e '.[bench]').")
     return lines
 
@@ -1092,6 +1163,8 @@ def main(argv: list[str] | None = None) -> None:
         print(line, file=sys.stderr)
 
     if args.admin:
+        from . import admin
+
         rows = admin.run(admin.QUICK if args.quick else admin.AdminConfig(), out)
         print("\n".join(markdown(rows)))
         return

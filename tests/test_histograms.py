@@ -152,3 +152,23 @@ async def test_histograms_are_on_by_default_and_can_be_turned_off(
 def test_histograms_must_be_a_bool(bad: object) -> None:
     with pytest.raises(TypeError, match="histograms must be True or False"):
         tickler.Service(noop, histograms=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "durations",
+    [
+        [0.00001] * 5,  # all in the first bucket
+        [0.02, 0.021, 0.019, 0.02],  # all in one bucket in the middle
+        [TIME_BUCKETS[3]] * 3,  # on a bound: in that bucket
+        [1e9, 2e9],  # all above the last bound
+        [0.00001, 0.5, 0.02, 1e9, TIME_BUCKETS[3], 0.3, 0.0],  # spread, unsorted
+    ],
+)
+def test_a_tally_counts_as_one_by_one(durations: list[float]) -> None:
+    from tickler._statistics import tally
+
+    counts = [0] * (len(TIME_BUCKETS) + 1)
+    pending = list(durations)
+    total = tally(pending, counts)
+    assert pending == []
+    assert (counts, total) == expected(durations)

@@ -430,3 +430,129 @@ def test_instrument_store_refuses_what_is_not_a_store() -> None:
         instrument_store(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="tracer_provider must be"):
         instrument_store(tickler.SqliteStore("x.db"), tracer_provider=object())  # type: ignore[arg-type]
+
+
+class CountedKey:
+    """A key that counts how often it is made into text (a span attribute's value)."""
+
+    made = 0
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __str__(self) -> str:
+        CountedKey.made += 1
+        return "counted"
+
+
+def provider_of(kind: str) -> Any:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+    from opentelemetry.trace import NoOpTracerProvider
+
+    if kind == "no-op provider":
+        return NoOpTracerProvider()
+    if kind == "a sampler that drops":
+        return TracerProvider(sampler=ALWAYS_OFF)
+    return TracerProvider()
+
+
+@pytest.mark.parametrize("kind", ["no-op provider", "a sampler that drops", "the SDK, recording"])
+async def test_an_attempt_that_is_not_recorded_builds_no_attributes(
+    autojump_clock: trio.abc.Clock, kind: str
+) -> None:
+    from opentelemetry import trace
+
+    seen: list[bool] = []
+
+    async def handler(request: int) -> int:
+        seen.append(trace.get_current_span().is_recording())
+        return request
+
+    CountedKey.made = 0
+    async with tickler.open_service(handler, name="mail") as service:
+        instrument(service, tracer_provider=provider_of(kind))
+        ticket = service.enqueue_request(1, key=CountedKey(), priority=3, group="g")
+        assert await ticket.wait() == 1
+    recording = kind == "the SDK, recording"
+    assert seen == [recording]
+    # The key is made into text for a span that records, and only then.
+    assert CountedKey.made == (1 if recording else 0)
+
+
+@pytest.mark.parametrize("kind", ["no-op provider", "a sampler that drops"])
+async def test_an_enqueue_span_that_is_not_recorded_carries_its_context_on(
+    autojump_clock: trio.abc.Clock, kind: str, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    from opentelemetry import trace
+
+    web_provider, _ = spans
+    current: list[trace.SpanContext] = []
+
+    async def handler(request: int) -> None:
+        current.append(trace.get_current_span().get_span_context())
+
+    async with tickler.open_service(handler, name="mail") as service:
+        instrument(service, tracer_provider=provider_of(kind))
+        with web_provider.get_tracer("web").start_as_current_span("GET /") as web:
+            await service.enqueue_request(1).wait()
+        await service.enqueue_request(2).wait()  # no span current where it was enqueued
+    # The no-op tracer carries the enqueuer's span context on; a dropped trace keeps
+    # its trace id (a dropping sampler makes a root of its own under the web span's).
+    first, second = current
+    if kind == "no-op provider":
+        assert first == web.get_span_context()
+        assert not second.is_valid
+    else:
+        for context in (first, second):
+            assert context.is_valid
+            assert not context.trace_flags.sampled
+        assert first.trace_id == web.get_span_context().trace_id
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+async def test_an_idle_service_polls_without_spans_and_a_busy_batch_makes_one(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+    store_kind: str,
+) -> None:
+    provider, exporter = spans
+    if store_kind == "sqlite":
+        store: Any = tickler.SqliteStore(tmp_path / "q.db", **FAST)
+    else:
+        dsn = request.getfixturevalue("postgres_dsn")
+        schema = request.getfixturevalue("postgres_schema")
+        store = tickler.PostgresStore(dsn, schema=schema, **FAST)
+
+    async def handler(request: int) -> int:
+        return request
+
+    ended = 0
+    polled = trio.Event()
+    async with tickler.open_service(handler, store=store, name="jobs") as service:
+        instrument(service, tracer_provider=provider)
+        tracing = service._tracer
+        assert tracing is not None
+        batch_ended = tracing.batch_ended
+
+        def counted(*args: Any) -> None:  # counts the batches; the tracing itself runs
+            nonlocal ended
+            ended += 1
+            if ended == 8:
+                polled.set()
+            batch_ended(*args)
+
+        tracing.batch_ended = counted  # type: ignore[method-assign,assignment]
+        # Eight polls of an idle queue (poll_interval 0.05 s).
+        with trio.move_on_after(10):
+            await polled.wait()
+        assert polled.is_set(), f"only {ended} batches of an idle service in 10 s"
+        assert named(exporter, "exchange ") == []
+        ticket = service.enqueue_request(7)
+        assert await ticket.wait() == 7
+    batches = named(exporter, "exchange jobs")
+    assert batches
+    for batch in batches:
+        attributes = batch.attributes or {}
+        counts = [attributes[f"tickler.batch.{n}"] for n in ("inserted", "written", "claimed")]
+        assert any(counts), attributes

@@ -564,8 +564,7 @@ class _Engine(Generic[RequestT, ResultT]):
         lock.acquire()
         try:
             queue = self._queue
-            length = len(queue)
-            if length >= self._admit:
+            if len(queue) >= self._admit:  # tuned (bench: enqueue): no length kept
                 if self._store_run is not None:
                     # A service with a store: _admit is always 0, so that the
                     # in-memory hot path pays nothing for the store's path.
@@ -777,7 +776,7 @@ class _Engine(Generic[RequestT, ResultT]):
         timer = self._timer
         assert timer is not None
         now = self._offset + timer()
-        process = self._process_withdrawable
+        process = self._process
         while limiter.borrowed_tokens < limiter.total_tokens:
             ticket = self._take(now)
             if ticket is None:
@@ -806,44 +805,23 @@ class _Engine(Generic[RequestT, ResultT]):
             )
         return now
 
-    async def _process_withdrawable(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
-        """A processor with one cancel scope for all its attempts.
-
-        A running attempt is taken away by cancelling this scope: by
-        ``cancel()``, which finds it through the processor's ``Attempt``;
-        and with a store by the loop (a cancel from any process, a lost
-        lease, a stop), which the store side was told of
-        (``StorePart.attempt_started``). The processor records the attempt
-        and ends; the loop starts another if work waits. One scope per processor rather
-        than one per attempt keeps the cost of a scope off each request
-        (the burst rows).
-        """
-        # Handed over in a list that _process empties: this frame, which lives
-        # as long as the processor, keeps no request alive.
-        start: list[Any] = [ticket, slot]
-        del ticket, slot
-        with trio.CancelScope() as withdrawable:
-            await self._process(start, withdrawable)
-
     async def _scoped(
-        self,
-        ticket: Ticket[RequestT, ResultT],
-        awaitable: Any,
-        now: float,
-        withdrawable: trio.CancelScope,
+        self, ticket: Ticket[RequestT, ResultT], awaitable: Any, now: float, attempt: Attempt
     ) -> Any:
         """Await an attempt under its timeout, where the store's loop may also take it away.
 
         With a store and no timeout, the loop takes the attempt away through
         the processor's scope (Cancelled, in the caller); with a timeout,
         through the attempt's own scope (a cancel, a lost lease, a stop):
-        then Withdrawn. A timeout is one more failure: TimeoutError.
+        then Withdrawn. A timeout is one more failure: TimeoutError. ``attempt``
+        holds the processor's scope.
         """
         stored = self._store_run
         timeout = self._timeout
         if timeout is None:
             assert stored is not None
-            stored.attempt_started(ticket.id, withdrawable)
+            assert attempt.scope is not None
+            stored.attempt_started(ticket.id, attempt.scope)
             try:
                 return await awaitable
             finally:
@@ -903,7 +881,7 @@ class _Engine(Generic[RequestT, ResultT]):
             and not nursery.cancel_scope.cancel_called
         )
 
-    async def _process(self, start: list[Any], withdrawable: trio.CancelScope) -> None:
+    async def _process(self, ticket: Ticket[RequestT, ResultT], slot: _Slot) -> None:
         """Run ``ticket``; then, while work waits and the cap allows, keep the slot for the next.
 
         Keeping the slot saves a task spawn per request (the burst rows). With
@@ -911,11 +889,11 @@ class _Engine(Generic[RequestT, ResultT]):
         the supervisor, which owns every start into a free slot, hands it the
         next one. How an attempt gets its enqueuer's context: see the module's
         docstring. The rare branches are the helpers named in it.
+
+        tuned (bench: burst): one cancel scope for all its attempts, ``withdrawable``
+        (see _scoped), entered here: not in a frame around this one, through which
+        every resume of the task passed.
         """
-        ticket: Ticket[RequestT, ResultT]
-        slot: _Slot
-        ticket, slot = start
-        start.clear()
         timer = self._timer
         assert timer is not None
         offset, handler, timeout, groups = self._offset, self._handler, self._timeout, self._groups
@@ -938,164 +916,166 @@ class _Engine(Generic[RequestT, ResultT]):
             self._times[task] = (waits, runs)
         # What current_service() and current_ticket() find for this task and
         # the tasks its handlers spawn.
+        withdrawable = trio.CancelScope()
         attempt = ATTEMPTS[task] = Attempt(self, withdrawable)
-        # tuned (bench: burst): whether this task is cancelled, one read per start (_lowlevel)
-        cancel_status = _lowlevel.cancel_status(task)
         # Requests cancel() took after a processor was handed them, before
         # they started (an alias: the set itself is the service's).
         doomed = self._doomed
         self._handed.pop(ticket.id, None)
         ended = False
         try:
-            # The enqueuer's context whose variables this task's context holds
-            # now, with the variables and values set and the tokens to undo them.
-            held: contextvars.Context | None = None
-            held_tokens: list[contextvars.Token[Any]] = []
-            now = offset + timer()
-            chained = 0
-            while True:  # one slot after another
-                try:
-                    while True:
-                        state = ticket._state
-                        captured = state if type(state) is _Context else state.context
-                        context = task.context  # the context this step runs in
-                        if held is not None and (
-                            captured is not held or not _holds(context, captured)
-                        ):
-                            # Another enqueuer's request, or the last handler
-                            # changed its enqueuer's variables: undo them.
+            with withdrawable:
+                # tuned (bench: burst): whether this task (in this scope) is cancelled, read once
+                cancel_status = _lowlevel.cancel_status(task)
+                # The enqueuer's context whose variables this task's context holds
+                # now, with the variables and values set and the tokens to undo them.
+                held: contextvars.Context | None = None
+                held_tokens: list[contextvars.Token[Any]] = []
+                now = offset + timer()
+                chained = 0
+                while True:  # one slot after another
+                    try:
+                        while True:
+                            state = ticket._state
+                            captured = state if type(state) is _Context else state.context
+                            context = task.context  # the context this step runs in
+                            if held is not None and (
+                                captured is not held or not _holds(context, captured)
+                            ):
+                                # Another enqueuer's request, or the last handler
+                                # changed its enqueuer's variables: undo them.
+                                _reset(held_tokens)
+                                held = held_tokens = None  # type: ignore[assignment]
+                            if held is None:
+                                if context:
+                                    # The last handler set variables of its own.
+                                    if not await self._fresh_context(task, ticket):
+                                        break
+                                    context = task.context
+                                    now = offset + timer()
+                                if captured:
+                                    held_tokens = [v.set(x) for v, x in captured.items()]
+                                    held = captured
+                            if (
+                                not self._may_start
+                                or cancel_status.effectively_cancelled
+                                or (doomed and ticket in doomed)
+                            ):
+                                self._not_started(ticket, withdrawable, offset + timer())
+                                break
+                            ticket.status = _RUNNING
+                            attempt.ticket = ticket
+                            ticket.attempts += 1
+                            # Read afresh: a hook or another thread may have enqueued
+                            # this request after the last reading.
+                            ticket.started_at = now = offset + timer()
+                            if timed and ticket.attempts == 1:
+                                waits.append(now - ticket.enqueued_at)  # type: ignore[operator]
+                            self._started += 1
+                            if self._debug:
+                                _run_in(context, logger.debug, "processing request #%d"
+                                        " (attempt %d)", ticket.id, ticket.attempts)  # fmt: skip
+                            try:
+                                awaitable = handler(ticket.request)
+                                if type(awaitable) is not _Coroutine:
+                                    awaitable = _steps_of(awaitable)
+                                if timeout is None and stored is None:
+                                    result = await awaitable
+                                else:
+                                    # A deadline, or a store that may take it away.
+                                    result = await self._scoped(ticket, awaitable, now, attempt)
+                            except Exception as exc:
+                                now = offset + timer()  # afresh: a rate counts from it
+                                outcomes.attempt_failed(ticket, exc, now, context)
+                                if withdrawable.cancel_called:
+                                    await trio.lowlevel.checkpoint()  # taken away: this ends
+                            except BaseException as exc:
+                                # Cancelled, KeyboardInterrupt and the like: record the
+                                # request's final state, and let the exception go on.
+                                raise outcomes.aborted(ticket, exc, context)  # noqa: B904
+                            else:
+                                now = offset + timer()
+                                self._in_flight -= 1
+                                if timed:
+                                    runs.append(now - ticket.started_at)
+                                if stored is None:
+                                    self._succeeded += 1
+                                    if key_of:
+                                        self._intake.release_key(ticket)
+                                    state = ticket._state  # a waiter may have wrapped it meanwhile
+                                    ticket._state = (now, result)
+                                    ticket.status = _SUCCEEDED
+                                    if type(state) is Waiting:
+                                        self._wake(state)
+                                elif stored.record_success(ticket, result, context):
+                                    # Taken away as it returned: the store decides what
+                                    # holds, and Cancelled from here ends the processor.
+                                    await trio.lowlevel.checkpoint()
+                                result = None
+                            # Final: keep nothing of it while choosing the next.
+                            state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
+                            chained += 1
+                            if chained == _CHAIN_BUDGET:
+                                # Handlers that never yield must not starve other tasks.
+                                chained = 0
+                                if len(runs) >= _TALLY_AT:
+                                    self._tally(waits, runs)
+                                await trio.lowlevel.cancel_shielded_checkpoint()
+                                now = offset + timer()
+                            if (
+                                not self._may_start
+                                or self._in_flight >= self._start_cap
+                                or cancel_status.effectively_cancelled
+                            ):
+                                # (Cancelled: by cancel(), a stop or a crash; the
+                                # processor takes nothing more, and ends.)
+                                break
+                            if ready or groups or (heap and heap[0][0] <= now):  # groups: see _take
+                                following = self._take(now)
+                                if following is None:
+                                    break  # all that was ready waits for its group's limit
+                                ticket, following = following, None
+                            elif queue:
+                                # tuned (bench: burst): the common case of _take, inlined
+                                # (twin: _take); calling _take (and _finish above) here cost
+                                # about 2% of burst throughput.
+                                lock.acquire()
+                                try:
+                                    length = len(queue)
+                                    if length > self._peak:
+                                        self._peak = length
+                                    ticket = queue.popleft()
+                                finally:
+                                    lock.release()
+                                if self._submitters:
+                                    self._intake.room.unpark()
+                                self._in_flight += 1
+                                if self._debug:
+                                    self._log_dequeued(ticket)
+                            else:
+                                break
+                    finally:
+                        # A parked processor keeps no request (or context) alive.
+                        attempt.ticket = None
+                        if held is not None:
                             _reset(held_tokens)
                             held = held_tokens = None  # type: ignore[assignment]
-                        if held is None:
-                            if context:
-                                # The last handler set variables of its own.
-                                if not await self._fresh_context(task, ticket):
-                                    break
-                                context = task.context
-                                now = offset + timer()
-                            if captured:
-                                held_tokens = [var.set(value) for var, value in captured.items()]
-                                held = captured
-                        if (
-                            not self._may_start
-                            or cancel_status.effectively_cancelled
-                            or (doomed and ticket in doomed)
-                        ):
-                            self._not_started(ticket, withdrawable, offset + timer())
-                            break
-                        ticket.status = _RUNNING
-                        attempt.ticket = ticket
-                        ticket.attempts += 1
-                        # Read afresh: a hook or another thread may have enqueued
-                        # this request after the last reading.
-                        ticket.started_at = now = offset + timer()
-                        if timed and ticket.attempts == 1:
-                            waits.append(now - ticket.enqueued_at)  # type: ignore[operator]
-                        self._started += 1
+                        if task.context and not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
+                            ended = True  # a new task starts the next request
+                        # A completion that frees a slot tickles the loop.
+                        self._limiter.release_on_behalf_of(slot)
+                        self._tickle()
                         if self._debug:
-                            _run_in(context, logger.debug, "processing request #%d (attempt %d)",
-                                    ticket.id, ticket.attempts)  # fmt: skip
-                        try:
-                            awaitable = handler(ticket.request)
-                            if type(awaitable) is not _Coroutine:
-                                awaitable = _steps_of(awaitable)
-                            if timeout is None and stored is None:
-                                result = await awaitable
-                            else:
-                                # A deadline, or a store that may take it away.
-                                result = await self._scoped(ticket, awaitable, now, withdrawable)
-                        except Exception as exc:
-                            now = offset + timer()  # afresh, as on success: a rate counts from it
-                            outcomes.attempt_failed(ticket, exc, now, context)
-                            if withdrawable.cancel_called:
-                                await trio.lowlevel.checkpoint()  # taken away: this ends
-                        except BaseException as exc:
-                            # Cancelled, KeyboardInterrupt and the like: record the
-                            # request's final state, and let the exception go on.
-                            raise outcomes.aborted(ticket, exc, context)  # noqa: B904
-                        else:
-                            now = offset + timer()
-                            self._in_flight -= 1
-                            if timed:
-                                runs.append(now - ticket.started_at)
-                            if stored is None:
-                                self._succeeded += 1
-                                if key_of:
-                                    self._intake.release_key(ticket)
-                                state = ticket._state  # a waiter may have wrapped it meanwhile
-                                ticket._state = (now, result)
-                                ticket.status = _SUCCEEDED
-                                if type(state) is Waiting:
-                                    self._wake(state)
-                            elif stored.record_success(ticket, result, context):
-                                # Taken away as it returned: the store decides what
-                                # holds, and Cancelled from here ends the processor.
-                                await trio.lowlevel.checkpoint()
-                            result = None
-                        # Final: keep nothing of it while choosing the next.
-                        state = captured = context = awaitable = ticket = None  # type: ignore[assignment]
-                        chained += 1
-                        if chained == _CHAIN_BUDGET:
-                            # Handlers that never yield must not starve other tasks.
-                            chained = 0
-                            if len(runs) >= _TALLY_AT:
-                                self._tally(waits, runs)
-                            await trio.lowlevel.cancel_shielded_checkpoint()
-                            now = offset + timer()
-                        if (
-                            not self._may_start
-                            or self._in_flight >= self._start_cap
-                            or cancel_status.effectively_cancelled
-                        ):
-                            # (Cancelled: by cancel(), a stop or a crash; the
-                            # processor takes nothing more, and ends.)
-                            break
-                        if ready or groups or (heap and heap[0][0] <= now):  # groups: see _take
-                            following = self._take(now)
-                            if following is None:
-                                break  # all that was ready waits for its group's limit
-                            ticket, following = following, None
-                        elif queue:
-                            # tuned (bench: burst): the common case of _take, inlined (twin:
-                            # _take); calling _take (and _finish above) here cost about 2% of burst
-                            # throughput.
-                            lock.acquire()
-                            try:
-                                length = len(queue)
-                                if length > self._peak:
-                                    self._peak = length
-                                ticket = queue.popleft()
-                            finally:
-                                lock.release()
-                            if self._submitters:
-                                self._intake.room.unpark()
-                            self._in_flight += 1
-                            if self._debug:
-                                self._log_dequeued(ticket)
-                        else:
-                            break
-                finally:
-                    # A parked processor keeps no request (or context) alive.
-                    attempt.ticket = None
-                    if held is not None:
-                        _reset(held_tokens)
-                        held = held_tokens = None  # type: ignore[assignment]
-                    if task.context and not _lowlevel.reset_context(task, _EMPTY_CONTEXT):
-                        ended = True  # a new task starts the next request
-                    # A completion that frees a slot tickles the loop.
-                    self._limiter.release_on_behalf_of(slot)
-                    self._tickle()
-                    if self._debug:
-                        self._log_slot_freed()
-                if ended:
-                    return  # (its times are counted below)
-                handed = await self._park(parked, waits, runs)
-                if handed is None:
-                    return
-                (ticket, slot), handed = handed, None
-                self._handed.pop(ticket.id, None)
-                handler = self._handler  # instrument() may have wrapped it meanwhile
-                chained = 0  # serves: pg drain, grouped: no clock reading here (a start takes one)
+                            self._log_slot_freed()
+                    if ended:
+                        return  # (its times are counted below)
+                    handed = await self._park(parked, waits, runs)
+                    if handed is None:
+                        return
+                    (ticket, slot), handed = handed, None
+                    self._handed.pop(ticket.id, None)
+                    handler = self._handler  # instrument() may have wrapped it meanwhile
+                    chained = 0  # serves: pg drain, grouped: no clock read (a start reads)
         finally:
             del ATTEMPTS[task]
             if timed:

@@ -442,7 +442,14 @@ class Intake:
         bound = engine.max_queue_length
         # tuned (bench: enqueue): logging at DEBUG, or tracing, sends every enqueue
         # through enqueue_checked, which logs or traces it: the fast path need not ask.
-        if engine._closed or engine._store_run is not None or engine._debug or engine._tracer:
+        # (Tracing with nothing to do per request, the no-op tracer in memory, does not.)
+        tracer = engine._tracer
+        if (
+            engine._closed
+            or engine._store_run is not None
+            or engine._debug
+            or (tracer is not None and tracer.per_request)
+        ):
             engine._admit = 0
         elif bound is not None:
             engine._admit = bound - self.scheduled - self.ranked

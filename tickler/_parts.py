@@ -264,6 +264,11 @@ class TracerPart(Protocol):
     outcomes and the store side report how each attempt ended.
     """
 
+    # Whether each request is traced: False when the tracer records nothing and carries
+    # nothing a request's own context does not (the no-op tracer, in memory). Then
+    # enqueues keep the fast path.
+    per_request: bool
+
     def enqueued(self, tickets: Sequence[Ticket[Any, Any]]) -> None:
         """New requests were accepted: one producer span, a child of the current span."""
 
@@ -285,7 +290,7 @@ class TracerPart(Protocol):
         """The W3C (traceparent, tracestate) of each request's enqueue span, to store."""
 
     def batch_started(self, batch: Batch) -> object:
-        """A batch is about to be exchanged with the store: its span."""
+        """A batch is about to be exchanged with the store: what ``batch_ended`` is handed."""
 
     def batch_ended(
         self, span: object, result: BatchResult | None, error: BaseException | None

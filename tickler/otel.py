@@ -21,13 +21,27 @@ service's queue, the message id is the request's id):
   another process); a failure's exception is recorded on it. The handler runs
   with that span current;
 - a periodic tick's request has no enqueuer: its spans start a new trace;
-- each batch exchanged with a store: an INTERNAL span ``exchange <queue>``
-  with the counts it wrote and claimed, linked to the enqueue spans of the
-  requests it inserted.
+- each batch exchanged with a store that inserted, wrote or claimed something
+  (or failed): an INTERNAL span ``exchange <queue>`` with the counts it wrote
+  and claimed, linked to the enqueue spans of the requests it inserted. An
+  idle service's polls make no span.
+
+What is not recorded is not built: a span's attributes beyond the constant
+ones (``messaging.system``, the destination, the operation), its links and
+the counts of a batch are set only on a span that records. With the API's
+no-op tracer provider, no span is started at all: in memory a handler runs
+in its enqueuer's context, which holds the span context that provider would
+carry on, and tracing costs nothing per request; with a store, an enqueue
+notes the span context current where it was called, for its row. A child of
+a span that was not sampled here (an enqueue under a dropped trace, an
+attempt of an enqueue that was not sampled) is not sampled either, as the
+SDK's default (parent-based) sampler decides, without starting a span: it
+carries that span context on.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -35,7 +49,7 @@ import trio
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import (
-    Link,
+    INVALID_SPAN,
     NonRecordingSpan,
     Span,
     SpanContext,
@@ -85,7 +99,7 @@ def instrument(
     previous = service._tracer
     handler = previous.handler if isinstance(previous, _Tracing) else service._handler
     tracing = _Tracing(service, tracer, handler)
-    service._handler = tracing.wrap(handler)
+    service._handler = tracing.wrap(handler) if tracing.per_request else handler
     with service._lock:
         service._tracer = tracing
         service._intake.set_admit()
@@ -209,6 +223,17 @@ class _Tracing:
         self.tracer = tracer
         self.handler = handler
         self.queue = service.name
+        # The API's no-op tracer: it records nothing, and only carries the span context
+        # current where a span starts on; so no span is started (see _start and enqueued).
+        self.noop = isinstance(tracer, trace.NoOpTracer)
+        # In memory, a handler runs in its enqueuer's context, which holds the span context
+        # the no-op tracer would carry on: then there is nothing to do for each request (its
+        # enqueues take the engine's fast path, and the handler is not wrapped).
+        self.per_request = not (self.noop and service._store_run is None)
+        # The attributes every span of a kind has, made once: a span that does not record
+        # gets these alone (a sampler sees them), and builds nothing.
+        self.send_attributes = self._attributes("enqueue", "send")
+        self.process_attributes = self._attributes("process", "process")
         # The enqueue span of each request enqueued here, until its last attempt ended
         # (in memory) or its row was written (with a store).
         self.parents: dict[Ticket[Any, Any], SpanContext] = {}
@@ -229,21 +254,28 @@ class _Tracing:
     # -- enqueues
 
     def enqueued(self, tickets: Sequence[Ticket[Any, Any]]) -> None:
-        if not tickets:
+        if not tickets or not self.per_request:
             return
-        attributes = self._attributes("enqueue", "send")
-        if len(tickets) > 1:
-            attributes["messaging.batch.message_count"] = len(tickets)
-        elif tickets[0].id:
-            attributes["messaging.message.id"] = str(tickets[0].id)
-        span = self.tracer.start_span(
-            f"send {self.queue}", kind=SpanKind.PRODUCER, attributes=attributes
-        )
-        span_context = span.get_span_context()
+        current = trace.get_current_span().get_span_context()
+        dropped = current.is_valid and not (current.trace_flags.sampled or current.is_remote)
+        if self.noop or dropped:
+            # What the no-op tracer's span would carry: the span context current here. Or
+            # the trace was not sampled here: nor is its enqueue (no span is started).
+            span_context = current
+        else:
+            span = self.tracer.start_span(
+                f"send {self.queue}", kind=SpanKind.PRODUCER, attributes=self.send_attributes
+            )
+            if span.is_recording():
+                if len(tickets) > 1:
+                    span.set_attribute("messaging.batch.message_count", len(tickets))
+                elif tickets[0].id:
+                    span.set_attribute("messaging.message.id", str(tickets[0].id))
+            span_context = span.get_span_context()
+            span.end()
         if span_context.is_valid:
             for ticket in tickets:
                 self.parents[ticket] = span_context
-        span.end()
 
     def periodic(self, enqueue: Callable[[], object]) -> None:
         token = otel_context.attach(otel_context.Context())
@@ -263,14 +295,18 @@ class _Tracing:
             if ticket is None:
                 return await handler(request)
             span = self._start(ticket)
-            with trace.use_span(
-                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-            ):
+            if span is None:  # nothing to record, and no span context to carry on
+                result = await handler(request)
+            else:
+                token = otel_context.attach(trace.set_span_in_context(span))
                 try:
                     result = await handler(request)
                 except Exception as exc:
-                    span.record_exception(exc)
+                    if span.is_recording():
+                        span.record_exception(exc)
                     raise
+                finally:
+                    otel_context.detach(token)
             if self.service._store_run is None:
                 self.ended(ticket, "succeeded")
             # (With a store, StoreSync.record says how it ended: its result may not encode.)
@@ -278,17 +314,57 @@ class _Tracing:
 
         return traced
 
-    def _start(self, ticket: Ticket[Any, Any]) -> Span:
-        service = self.service
-        attributes = self._attributes("process", "process")
-        attributes["messaging.message.id"] = str(ticket.id)
-        attributes["tickler.attempt"] = ticket.attempts
+    def _start(self, ticket: Ticket[Any, Any]) -> Span | None:
+        """The attempt's span, to make current while it runs; None: leave the context as it is.
+
+        Only a span that records gets the attributes of its request, and is kept open.
+        """
         parent = self.parents.get(ticket)
         row = self.rows.pop(ticket.id, None)
         if row is not None:
-            traceparent, tracestate, key, priority, group = row
-            parent = _remote(traceparent, tracestate) if traceparent else None
+            traceparent = row[0]
+            parent = _remote(traceparent, row[1]) if traceparent else None
+        if parent is not None and not (parent.trace_flags.sampled or parent.is_remote):
+            # Its enqueue was not sampled here: neither is the attempt.
+            return NonRecordingSpan(parent)
+        if self.noop:
+            if parent is not None:
+                return NonRecordingSpan(parent)
+            # A new trace, which the no-op tracer does not make: the handler must not see the
+            # enqueuer's span as its own, unless there is none.
+            current = trace.get_current_span().get_span_context()
+            return INVALID_SPAN if current.is_valid else None
+        # No enqueue span (a periodic tick, or a request enqueued untraced): a new trace.
+        context = (
+            trace.set_span_in_context(NonRecordingSpan(parent))
+            if parent is not None
+            else otel_context.Context()
+        )
+        span = self.tracer.start_span(
+            f"process {self.queue}",
+            context=context,
+            kind=SpanKind.CONSUMER,
+            attributes=self.process_attributes,
+        )
+        if span.is_recording():
+            span.set_attributes(self._request_attributes(ticket, row))
+            self.open[ticket] = span
+        return span
+
+    def _request_attributes(
+        self,
+        ticket: Ticket[Any, Any],
+        row: tuple[str | None, str | None, str | None, int, str | None] | None,
+    ) -> dict[str, Any]:
+        """The attributes an attempt's span has of its request (for a span that records)."""
+        attributes: dict[str, Any] = {
+            "messaging.message.id": str(ticket.id),
+            "tickler.attempt": ticket.attempts,
+        }
+        if row is not None:
+            _, _, key, priority, group = row
         else:
+            service = self.service
             intake = service._intake
             key = intake.key_of.get(ticket)  # type: ignore[assignment]
             priority = intake.priority_of.get(ticket, 0)
@@ -300,17 +376,7 @@ class _Tracing:
             attributes["tickler.priority"] = priority
         if group is not None:
             attributes["tickler.group"] = group
-        # No enqueue span (a periodic tick, or a request enqueued untraced): a new trace.
-        context = (
-            trace.set_span_in_context(NonRecordingSpan(parent))
-            if parent is not None
-            else otel_context.Context()
-        )
-        span = self.tracer.start_span(
-            f"process {self.queue}", context=context, kind=SpanKind.CONSUMER, attributes=attributes
-        )
-        self.open[ticket] = span
-        return span
+        return attributes
 
     def ended(
         self,
@@ -349,44 +415,61 @@ class _Tracing:
         return found
 
     def batch_started(self, batch: Batch) -> object:
-        links = []
-        for entry in batch.inserts[:64]:
-            parent = self.parents.get(entry[7])
-            if parent is not None:
-                links.append(Link(parent))
-        span = self.tracer.start_span(
-            f"exchange {self.queue}",
-            context=otel_context.Context(),  # not part of any one request's trace
-            kind=SpanKind.INTERNAL,
-            links=links,
-            attributes={
-                "messaging.system": _SYSTEM,
-                "messaging.destination.name": self.queue,
-                "tickler.batch.inserts": len(batch.inserts),
-                "tickler.batch.outcomes": len(batch.outcomes),
-                "tickler.batch.ticks": len(batch.ticks),
-                "tickler.batch.claim": batch.claim,
-            },
-        )
-        return span, batch
+        # The span is made as the batch ends, once it is known to have done something
+        # (an idle service's polls make none), with this start time.
+        return time.time_ns(), batch
 
     def batch_ended(
-        self, span: object, result: BatchResult | None, error: BaseException | None
+        self, started: object, result: BatchResult | None, error: BaseException | None
     ) -> None:
-        assert isinstance(span, tuple)
-        handle: Span = span[0]
-        batch: Batch = span[1]
+        assert isinstance(started, tuple)
+        start_time: int = started[0]
+        batch: Batch = started[1]
         if result is None:
-            if error is not None:
-                handle.record_exception(error)
-                handle.set_status(Status(StatusCode.ERROR, str(error)))
-            handle.end()
+            span = self._batch_span(batch, start_time)
+            if error is not None and span.is_recording():
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, str(error)))
+            span.end()
             return
+        inserted = sum(new for _, new in result.inserted)
+        written = sum(a is not None for a in result.applied)
+        if inserted or written or result.claimed:
+            span = self._batch_span(batch, start_time)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "tickler.batch.inserted": inserted,
+                        "tickler.batch.written": written,
+                        "tickler.batch.claimed": len(result.claimed),
+                    }
+                )
+            span.end()
         # The rows are written: their enqueue spans travel in them from now on.
         for entry in batch.inserts:
             self.parents.pop(entry[7], None)
         self.rows.update(result.traces)
-        handle.set_attribute("tickler.batch.inserted", sum(new for _, new in result.inserted))
-        handle.set_attribute("tickler.batch.written", sum(a is not None for a in result.applied))
-        handle.set_attribute("tickler.batch.claimed", len(result.claimed))
-        handle.end()
+
+    def _batch_span(self, batch: Batch, start_time: int) -> Span:
+        """A batch's span, started at ``start_time``; what it sent and its links if it records."""
+        span = self.tracer.start_span(
+            f"exchange {self.queue}",
+            context=otel_context.Context(),  # not part of any one request's trace
+            kind=SpanKind.INTERNAL,
+            attributes={"messaging.system": _SYSTEM, "messaging.destination.name": self.queue},
+            start_time=start_time,
+        )
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "tickler.batch.inserts": len(batch.inserts),
+                    "tickler.batch.outcomes": len(batch.outcomes),
+                    "tickler.batch.ticks": len(batch.ticks),
+                    "tickler.batch.claim": batch.claim,
+                }
+            )
+            for entry in batch.inserts[:64]:
+                parent = self.parents.get(entry[7])
+                if parent is not None:
+                    span.add_link(parent)
+        return span
