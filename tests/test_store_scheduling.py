@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 import tickler
 from tickler._stores._seam import Batch, BatchResult, Session
@@ -313,6 +314,62 @@ def test_a_batch_that_does_not_pause_leaves_the_flag(session: Session) -> None:
     assert run(session, Batch(claim=1)).paused
     assert not run(session, Batch(pause=False)).paused
     assert not run(session, Batch(claim=1)).paused
+
+
+# A paused replica sleeps until its next look (poll_interval), a tickle or a resume,
+# though the queue holds ready work and a delayed request falls due meanwhile.
+PAUSE_POLL = 0.2
+PAUSE_WINDOW = 1.0
+
+
+@pytest.mark.parametrize("work", ["ready", "delayed"])
+@pytest.mark.parametrize("how", ["service", "admin"])
+async def test_a_paused_replica_with_work_waiting_sleeps_until_its_next_look(
+    backend: Backend, how: str, work: str
+) -> None:
+    """Paused by the service or the admin (as the CLI and the dashboard do), with
+    ready requests waiting ("ready"), or only one that falls due while paused."""
+    ran: list[int] = []
+
+    async def handler(request: int) -> None:
+        ran.append(request)
+
+    store = backend.store(lease=5.0, poll_interval=PAUSE_POLL)
+    async with (
+        backend.store().admin() as admin,
+        tickler.open_service(handler, store=store, name="jobs") as service,
+    ):
+        if how == "service":
+            service.pause()
+        else:
+            await admin.pause("jobs")
+        with trio.fail_after(5):  # the admin's pause is seen at the replica's next look
+            while not service.paused or (await admin.counts("jobs"))["paused"] != 1:
+                await trio.sleep(0.02)
+        ready = range(5) if work == "ready" else range(0)
+        service.enqueue_many(ready)
+        # Due in the middle of the window below: it falls due while paused.
+        service.enqueue_request(len(ready), delay=PAUSE_WINDOW / 2)
+        with trio.fail_after(5):
+            while (counts := await admin.counts("jobs"))["queued"] != len(ready) or counts[
+                "scheduled"
+            ] != 1:
+                await trio.sleep(0.02)
+        before, started = service.statistics().wakeups, trio.current_time()
+        await trio.sleep(PAUSE_WINDOW)
+        wakeups = service.statistics().wakeups - before
+        looks = (trio.current_time() - started) / PAUSE_POLL
+        # A look per poll_interval (lease/3 is longer here), and a few more.
+        assert wakeups <= 2 * looks + 3, f"{wakeups} wake-ups in {looks:.1f} poll intervals"
+        assert ran == []
+        if how == "service":
+            service.resume()
+        else:
+            await admin.resume("jobs")
+        with trio.fail_after(5):
+            while (await admin.counts("jobs"))["succeeded"] != len(ready) + 1:
+                await trio.sleep(0.02)
+    assert sorted(ran) == list(range(len(ready) + 1))
 
 
 # -- Periodic ticks
