@@ -25,7 +25,7 @@ import tickler
 from tickler._stores._seam import Batch, BatchResult, Session
 
 from .store_backends import FAST, Backend
-from .test_store_contract import BACKENDS
+from .test_store_contract import BACKENDS, double
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -568,6 +568,39 @@ def test_bad_arguments_are_refused_before_anything_is_written(
             store.enqueue_many_in(connection, "jobs", [1, 2], **many)
         connection.commit()
     assert backend.rows() == []
+
+
+TOO_FAR = r"^delay must be at most 3153600000\.0 seconds \(100 years\)$"
+
+
+@pytest.mark.parametrize("delay", [1e12, 3153600000.001, 10**400])
+async def test_a_delay_past_100_years_is_refused_on_every_enqueue_path(
+    backend: Backend, store: Any, delay: float
+) -> None:
+    """A due time further off than 100 years is refused at once (the store, the admin
+    and the dashboard could not write it as a date); a delay of 100 years is kept."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(ValueError, match=TOO_FAR):
+            store.enqueue_in(connection, "jobs", 1, delay=delay)
+        with pytest.raises(ValueError, match=TOO_FAR):
+            store.enqueue_many_in(connection, "jobs", [1, 2], delay=delay)
+        connection.commit()
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as service:
+        with pytest.raises(ValueError, match=TOO_FAR):
+            service.enqueue_request(1, delay=delay)
+        with pytest.raises(ValueError, match=TOO_FAR):
+            service.enqueue_many([1, 2], delay=delay)
+        with pytest.raises(ValueError, match=TOO_FAR):
+            await service.submit(1, delay=delay)
+        far = service.enqueue_request(3, delay=3153600000.0)
+        with trio.fail_after(5):  # committed by the next batch
+            while not backend.rows():
+                await trio.sleep(0.02)
+    assert backend.select("state") == [("scheduled",)]
+    async with store.admin() as admin:
+        (row,) = (await admin.requests("jobs")).rows
+        assert row.id == far.id
+        assert row.run_at == pytest.approx(time.time() + 3153600000.0, abs=60)
 
 
 def test_enqueue_many_in_refuses_a_key_that_is_not_callable_and_bad_requests_first(
