@@ -187,7 +187,13 @@ async def test_a_scheduled_request_with_a_key(autojump_clock: trio.abc.Clock) ->
         (-0.001, ValueError, r"^delay must be >= 0$"),
         (math.nan, ValueError, r"^delay must be >= 0$"),
         (math.inf, ValueError, r"^delay must be finite$"),
-        (10**400, ValueError, r"^delay must be at most .* seconds$"),
+        (10**400, ValueError, r"^delay must be at most 3153600000\.0 seconds \(100 years\)$"),
+        (1e12, ValueError, r"^delay must be at most 3153600000\.0 seconds \(100 years\)$"),
+        (
+            3153600000.001,
+            ValueError,
+            r"^delay must be at most 3153600000\.0 seconds \(100 years\)$",
+        ),
         ("1", TypeError, r"^delay must be a number of seconds or None, not str$"),
         (True, TypeError, r"^delay must be a number of seconds or None, not bool$"),
     ],
@@ -198,5 +204,17 @@ async def test_a_bad_delay_is_refused_and_nothing_is_enqueued(
     service = tickler.Service(sleeper)
     with pytest.raises(error, match=message):
         service.enqueue_request(1.0, delay=delay)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        service.enqueue_many([1.0, 2.0], delay=delay)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        await service.submit(1.0, delay=delay)  # type: ignore[arg-type]
     stats = service.statistics()
     assert (stats.enqueued, stats.scheduled, stats.rejected) == (0, 0, 0)
+
+
+def test_a_retry_waits_at_most_as_long_as_a_delay_may() -> None:
+    with pytest.raises(
+        ValueError, match=r"^maximum must be at most 3153600000\.0 seconds \(100 years\)$"
+    ):
+        tickler.Retry(maximum=1e12)
+    assert tickler.Retry(initial=1e12, maximum=3153600000.0).backoff(1) == 3153600000.0

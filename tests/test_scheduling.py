@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import tickler
 
@@ -234,6 +235,31 @@ async def test_pause_starts_nothing_new_and_resume_goes_on(
         assert not service.paused
         await service.join()
     assert order == ["running", "w0", "w1", "w2"]
+
+
+async def test_a_paused_service_with_ready_and_delayed_work_sleeps(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    order, handler = recorder()
+    async with tickler.open_service(handler, capacity=2) as service:
+        service.pause()
+        service.enqueue_many(["r0", "r1", "r2"])
+        service.enqueue_request("d", delay=5)  # falls due while paused
+        await trio.sleep(0.1)
+        before = service.statistics().wakeups
+        # Past the delayed request's due time, then a hundred turns of the
+        # scheduler (a loop that woke for what is due would wake at each: a
+        # sleep on the autojump clock would never end).
+        autojump_clock.jump(60)
+        for _ in range(100):
+            await trio.lowlevel.checkpoint()
+        # Nothing due may start: no due time wakes the loop.
+        assert service.statistics().wakeups == before
+        await trio.sleep(60)
+        assert order == []
+        service.resume()
+        await service.join()
+    assert sorted(order) == ["d", "r0", "r1", "r2"]
 
 
 @pytest.mark.parametrize("drain", [True, False])

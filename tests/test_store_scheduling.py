@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 import tickler
 from tickler._stores._seam import Batch, BatchResult, Session
 
 from .store_backends import FAST, Backend
-from .test_store_contract import BACKENDS
+from .test_store_contract import BACKENDS, double
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -315,6 +316,62 @@ def test_a_batch_that_does_not_pause_leaves_the_flag(session: Session) -> None:
     assert not run(session, Batch(claim=1)).paused
 
 
+# A paused replica sleeps until its next look (poll_interval), a tickle or a resume,
+# though the queue holds ready work and a delayed request falls due meanwhile.
+PAUSE_POLL = 0.2
+PAUSE_WINDOW = 1.0
+
+
+@pytest.mark.parametrize("work", ["ready", "delayed"])
+@pytest.mark.parametrize("how", ["service", "admin"])
+async def test_a_paused_replica_with_work_waiting_sleeps_until_its_next_look(
+    backend: Backend, how: str, work: str
+) -> None:
+    """Paused by the service or the admin (as the CLI and the dashboard do), with
+    ready requests waiting ("ready"), or only one that falls due while paused."""
+    ran: list[int] = []
+
+    async def handler(request: int) -> None:
+        ran.append(request)
+
+    store = backend.store(lease=5.0, poll_interval=PAUSE_POLL)
+    async with (
+        backend.store().admin() as admin,
+        tickler.open_service(handler, store=store, name="jobs") as service,
+    ):
+        if how == "service":
+            service.pause()
+        else:
+            await admin.pause("jobs")
+        with trio.fail_after(5):  # the admin's pause is seen at the replica's next look
+            while not service.paused or (await admin.counts("jobs"))["paused"] != 1:
+                await trio.sleep(0.02)
+        ready = range(5) if work == "ready" else range(0)
+        service.enqueue_many(ready)
+        # Due in the middle of the window below: it falls due while paused.
+        service.enqueue_request(len(ready), delay=PAUSE_WINDOW / 2)
+        with trio.fail_after(5):
+            while (counts := await admin.counts("jobs"))["queued"] != len(ready) or counts[
+                "scheduled"
+            ] != 1:
+                await trio.sleep(0.02)
+        before, started = service.statistics().wakeups, trio.current_time()
+        await trio.sleep(PAUSE_WINDOW)
+        wakeups = service.statistics().wakeups - before
+        looks = (trio.current_time() - started) / PAUSE_POLL
+        # A look per poll_interval (lease/3 is longer here), and a few more.
+        assert wakeups <= 2 * looks + 3, f"{wakeups} wake-ups in {looks:.1f} poll intervals"
+        assert ran == []
+        if how == "service":
+            service.resume()
+        else:
+            await admin.resume("jobs")
+        with trio.fail_after(5):
+            while (await admin.counts("jobs"))["succeeded"] != len(ready) + 1:
+                await trio.sleep(0.02)
+    assert sorted(ran) == list(range(len(ready) + 1))
+
+
 # -- Periodic ticks
 
 
@@ -511,6 +568,39 @@ def test_bad_arguments_are_refused_before_anything_is_written(
             store.enqueue_many_in(connection, "jobs", [1, 2], **many)
         connection.commit()
     assert backend.rows() == []
+
+
+TOO_FAR = r"^delay must be at most 3153600000\.0 seconds \(100 years\)$"
+
+
+@pytest.mark.parametrize("delay", [1e12, 3153600000.001, 10**400])
+async def test_a_delay_past_100_years_is_refused_on_every_enqueue_path(
+    backend: Backend, store: Any, delay: float
+) -> None:
+    """A due time further off than 100 years is refused at once (the store, the admin
+    and the dashboard could not write it as a date); a delay of 100 years is kept."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(ValueError, match=TOO_FAR):
+            store.enqueue_in(connection, "jobs", 1, delay=delay)
+        with pytest.raises(ValueError, match=TOO_FAR):
+            store.enqueue_many_in(connection, "jobs", [1, 2], delay=delay)
+        connection.commit()
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as service:
+        with pytest.raises(ValueError, match=TOO_FAR):
+            service.enqueue_request(1, delay=delay)
+        with pytest.raises(ValueError, match=TOO_FAR):
+            service.enqueue_many([1, 2], delay=delay)
+        with pytest.raises(ValueError, match=TOO_FAR):
+            await service.submit(1, delay=delay)
+        far = service.enqueue_request(3, delay=3153600000.0)
+        with trio.fail_after(5):  # committed by the next batch
+            while not backend.rows():
+                await trio.sleep(0.02)
+    assert backend.select("state") == [("scheduled",)]
+    async with store.admin() as admin:
+        (row,) = (await admin.requests("jobs")).rows
+        assert row.id == far.id
+        assert row.run_at == pytest.approx(time.time() + 3153600000.0, abs=60)
 
 
 def test_enqueue_many_in_refuses_a_key_that_is_not_callable_and_bad_requests_first(

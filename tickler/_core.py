@@ -56,17 +56,27 @@ def _check_timeout(name: str, value: object, *, allow_zero: bool) -> float | Non
         raise ValueError(f"{name} must be at most {sys.float_info.max:g} seconds") from None
 
 
-def _check_delay(value: object) -> float:
+# The longest delay a request (or a retry) may wait: 100 years of 365 days. A due
+# time that far off is still a date every store, the admin and the dashboard can
+# write and read (a datetime ends at the year 9999).
+MAX_DELAY = 100 * 365 * 86400.0
+
+
+def _check_delay(value: object, name: str = "delay") -> float:
+    """A wait before a request runs, checked: seconds from 0 to MAX_DELAY.
+
+    The one rule for every enqueue (enqueue_request, submit, enqueue_many, the
+    stores' enqueue_in and enqueue_many_in) and for Retry's ``maximum``.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"delay must be a number of seconds or None, not {type(value).__name__}")
-    if not value >= 0:
-        raise ValueError("delay must be >= 0")
-    if value == math.inf:
-        raise ValueError("delay must be finite")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"delay must be at most {sys.float_info.max:g} seconds") from None
+        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}")
+    if not 0 <= value <= MAX_DELAY:
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0")
+        if value == math.inf:
+            raise ValueError(f"{name} must be finite")
+        raise ValueError(f"{name} must be at most {MAX_DELAY} seconds (100 years)")
+    return float(value)
 
 
 def _check_key(key: object) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 
 import attrs
 
+from ._core import _check_delay
+
 
 def _check_number(name: str, value: object, *, finite: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -79,6 +81,7 @@ class Retry:
         _check_number("maximum", value)
         if value < 0:
             raise ValueError("maximum must be >= 0")
+        _check_delay(value, "maximum")  # a retry waits at most as long as a delay may
 
     @jitter.validator
     def _check_jitter(self, _: Any, value: bool) -> None:

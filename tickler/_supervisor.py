@@ -210,13 +210,20 @@ class Supervisor:
                 # due after that instant needs the timer. (Compared with that
                 # very instant: a later reading would miss a request that
                 # fell due in between.)
-                wake_at = stopping.stop_deadline
-                # (Paused, nothing starts: a resume tickles.)
-                if heap and engine._may_start and not engine._paused and heap[0][0] > dispatched_at:
-                    wake_at = min(wake_at, heap[0][0])
-                wake_at = min(wake_at, tick_at)
+                # The one rule of the loop's next wake-up. Paused (or no more
+                # starts), nothing that falls due may start, here or in the
+                # store: no due time wakes the loop, which sleeps until a
+                # tickle (an enqueue; a resume here), a tick, the stop's
+                # deadline, or with a store its next look (which sees a pause
+                # or resume from elsewhere).
+                wake_at = min(stopping.stop_deadline, tick_at)
+                if engine._may_start and not engine._paused:
+                    if heap and heap[0][0] > dispatched_at:
+                        wake_at = min(wake_at, heap[0][0])
+                    if stored is not None:
+                        wake_at = min(wake_at, stored.next_due_at())
                 if stored is not None:
-                    wake_at = min(wake_at, stored.next_look())
+                    wake_at = min(wake_at, stored.next_check)
                 await self.sleep(receive, wake_at)
         except BaseException:
             # Cancelled with the run, or the run is ending: from this instant

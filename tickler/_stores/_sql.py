@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import attrs
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
+from .._core import _check_delay
 from .._exceptions import StoreError
 from ._seam import Batch, BatchResult, Claimed, Row
 
@@ -840,7 +841,7 @@ def prepare_enqueue(
         raise ValueError("unique_for holds a key: give a key too")
     state, wait = "queued", 0.0
     if delay is not None:
-        wait = seconds("delay", delay, allow_zero=True)
+        wait = _check_delay(delay)
         state = "scheduled"
     codec = codecs.get(queue, _JSON)
     if isinstance(requests, list | tuple):

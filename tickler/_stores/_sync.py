@@ -376,21 +376,24 @@ class StoreSync:
         self.owner = uuid.uuid4().hex
         self.next_check = -math.inf
 
-    def next_look(self) -> float:
-        """When, on Trio's clock, the store needs the loop next: a look, or a row falling due."""
+    def next_due_at(self) -> float:
+        """When, on Trio's clock, a row of the store falls due that this process could claim.
+
+        The loop's next wake-up (Supervisor.supervise) asks for it only while
+        requests may start; its next look (``next_check``) it takes apart.
+        """
         engine = self.engine
-        # next_check is on Trio's clock; next_due on the store's (see
-        # BatchResult.shift), taken to Trio's through this instant's wall
-        # clock, so that a step of the wall clock moves both ends.
-        wake_at = self.next_check
+        # next_due is on the store's clock (see BatchResult.shift), taken to
+        # Trio's through this instant's wall clock, so that a step of the wall
+        # clock moves both ends.
         room = engine._capacity - engine._in_flight - len(engine._queue)
         # (Rows held back by a group's limit are due, but not claimable: then
         # the next look is the regular one, or a wake-up from an enqueue.)
-        if self.next_due is not None and room > 0 and engine._may_start and not self.limited:
-            now = engine._time()
-            assert now is not None
-            wake_at = min(wake_at, self.next_due - self.shift + now - wall_clock())
-        return wake_at
+        if self.next_due is None or room <= 0 or self.limited:
+            return math.inf
+        now = engine._time()
+        assert now is not None
+        return self.next_due - self.shift + now - wall_clock()
 
     async def listen(self, listening: Any, scope: trio.CancelScope) -> None:
         """Tickle the loop whenever the store says another process enqueued on this queue."""
