@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import queue as queues
 import re
@@ -172,13 +173,13 @@ def workers(target: Target, flag: Path, count: int) -> Iterator[list[subprocess.
 
 
 @contextlib.contextmanager
-def served(application: Any) -> Iterator[str]:
-    """``application`` on Hypercorn's Trio worker, on a free port of 127.0.0.1: its URL."""
+def served(application: Any, host: str = "127.0.0.1") -> Iterator[str]:
+    """``application`` on Hypercorn's Trio worker, on a free port of ``host``: its URL."""
     import hypercorn.trio
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = ["127.0.0.1:0"]
+    config.bind = [f"{host}:0"]
     config.accesslog = None
     config.graceful_timeout = 0.5
     found: queues.Queue[tuple[str, Any] | BaseException] = queues.Queue()
@@ -370,7 +371,13 @@ def test_dashboard_in_a_browser(
         page.goto(url + f"/request?queue={QUEUE}&id={long.id}")
         assert page.locator("#state").inner_text() == "running"
         page.click("button:has-text('Cancel')")
+        assert (
+            page.locator(".notice")
+            .inner_text()
+            .startswith(f"Asked the replica running request #{long.id} to stop its attempt")
+        )
         until(lambda: page.locator("#state").inner_text() == "cancelled", page)
+        assert page.locator("#due").inner_text() == "— (final)"
         shot(page, "detail-cancelled")
 
         # Pause: the two services start nothing more, until resumed.
@@ -776,6 +783,566 @@ def enqueue(target: Target, requests: list[dict[str, Any]]) -> None:
         with psycopg.connect(store.dsn) as pg, pg.transaction():
             for request in requests:
                 store.enqueue_in(pg, QUEUE, request)
+
+
+# -- hardening: what a browser elsewhere, a rebinding name or a malformed query can do ------
+
+
+AnyStore = tickler.SqliteStore | tickler.PostgresStore
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def empty_store(request: pytest.FixtureRequest, tmp_path: Path) -> AnyStore:
+    """A store with its schema and no rows: a SQLite file, or a PostgreSQL schema."""
+    store: AnyStore
+    if request.param == "sqlite":
+        store = tickler.SqliteStore(tmp_path / "queue.db")
+    else:
+        dsn: str = request.getfixturevalue("postgres_dsn")
+        store = tickler.PostgresStore(dsn, schema=request.getfixturevalue("postgres_schema"))
+    store.create_schema()
+    return store
+
+
+def put(store: AnyStore, queue: str, request: object, **options: Any) -> int:
+    """Enqueue one request as a producer running no service does; its id."""
+    if isinstance(store, tickler.SqliteStore):
+        import sqlite3
+
+        connection = sqlite3.connect(store.path)
+        with connection:
+            found = store.enqueue_in(connection, queue, request, **options)
+        connection.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(store.dsn) as pg:
+            found = store.enqueue_in(pg, queue, request, **options)
+    assert found is not None
+    return found
+
+
+def write_run_at(store: AnyStore, request_id: int, run_at: float) -> None:
+    """Set a row's due time in the store's table, as an older version (or another
+    program) may have written it."""
+    if isinstance(store, tickler.SqliteStore):
+        import sqlite3
+
+        connection = sqlite3.connect(store.path)
+        with connection:
+            connection.execute(
+                "UPDATE tickler_requests SET run_at = ? WHERE id = ?", (run_at, request_id)
+            )
+        connection.close()
+    else:
+        import psycopg
+
+        table = f'"{store.schema}".tickler_requests'
+        with psycopg.connect(store.dsn) as pg:
+            update = f"UPDATE {table} SET run_at = %s WHERE id = %s"  # noqa: S608 - its own schema
+            pg.execute(update, (run_at, request_id))
+
+
+def token_of(client: Any) -> str:
+    """The CSRF token a page of the dashboard gives ``client`` (in its cookie and forms)."""
+    page = client.get("/")
+    assert page.status_code == 200
+    return str(client.cookies["tickler_csrf"])
+
+
+def assert_secured(response: Any) -> None:
+    from tickler.web._app import SECURITY_HEADERS
+
+    for name, value in SECURITY_HEADERS.items():
+        assert response.headers.get(name) == value, (response.request.url, name)
+
+
+def act_with(url: str, token: str, form: dict[str, str], **headers: str) -> Any:
+    """A POST of ``form`` to ``url``'s /act, with ``token`` in the cookie and the form."""
+    import httpx
+
+    cookie = {"cookie": f"tickler_csrf={token}"}
+    return httpx.post(url + "/act", data={**form, "csrf": token}, headers={**cookie, **headers})
+
+
+def test_a_planted_or_foreign_token_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The token must be one this dashboard signed, and a browser's POST must come from
+    the dashboard's own origin, whatever the cookie holds."""
+    import httpx
+
+    store = filled(tmp_path / "queue.db")
+    admin = store.admin()
+    pause = {"action": "pause", "queue": QUEUE}
+    with served(tickler.web.app(store)) as url:
+        with httpx.Client(base_url=url) as client:
+            own = token_of(client)
+        # A pair planted by another site: well formed, equal in cookie and form, unsigned.
+        for planted in ["a" * 43, "nonce-of-its-own." + "m" * 43, own.split(".")[0] + ".x"]:
+            refused = act_with(url, planted, pause)
+            assert refused.status_code == 403, planted
+            assert_secured(refused)
+        # A token signed by another dashboard (another secret) is no better.
+        with served(tickler.web.app(store)) as other, httpx.Client(base_url=other) as stranger:
+            foreign = token_of(stranger)
+        assert act_with(url, foreign, pause).status_code == 403
+        # The dashboard's own token, posted by a page of another origin or site.
+        for headers in [
+            {"origin": "http://127.0.0.1:1"},
+            {"origin": "http://rebind.attacker.example"},
+            {"origin": "null"},
+            {"sec-fetch-site": "same-site"},
+            {"sec-fetch-site": "cross-site"},
+            {"sec-fetch-site": "none"},
+            {"origin": url, "sec-fetch-site": "same-site"},
+        ]:
+            refused = act_with(url, own, pause, **headers)
+            assert refused.status_code == 403, headers
+            assert "came from another site" in refused.text
+        assert call(admin, "counts", QUEUE)["paused"] == 0
+        # From its own page (as Chromium sends it), and from a client that is no browser.
+        same = {"origin": url, "sec-fetch-site": "same-origin"}
+        assert act_with(url, own, pause, **same).status_code == 303
+        assert call(admin, "counts", QUEUE)["paused"] == 1
+        assert act_with(url, own, {"action": "resume", "queue": QUEUE}).status_code == 303
+        assert call(admin, "counts", QUEUE)["paused"] == 0
+    call(admin, "aclose")
+    assert sum("from another site" in m for m in caplog.messages) == 7
+
+
+def test_a_shared_secret_signs_for_every_process(tmp_path: Path) -> None:
+    """Two applications given one secret take each other's tokens (processes behind one
+    address); the secret is checked."""
+    import httpx
+
+    store = filled(tmp_path / "queue.db")
+    secret = "a secret the processes share"  # noqa: S105 - the secret under test
+    first, second = (tickler.web.app(store, secret=secret) for _ in range(2))
+    with served(first) as one, served(second) as two:
+        with httpx.Client(base_url=one) as client:
+            token = token_of(client)
+        with httpx.Client(base_url=two, cookies={"tickler_csrf": token}) as client:
+            answer = client.post("/act", data={"action": "pause", "queue": QUEUE, "csrf": token})
+            assert answer.status_code == 303
+    with pytest.raises(ValueError, match=r"^secret must be at least 16 bytes long$"):
+        tickler.web.app(store, secret="short")  # noqa: S106 - too short, refused
+    with pytest.raises(TypeError, match=r"^secret must be a str, bytes or None$"):
+        tickler.web.app(store, secret=16 * [1])  # type: ignore[arg-type]
+
+
+ATTACK = """<!doctype html><html><body>
+<form id="forged" method="post" action="{dashboard}/act">
+<input name="csrf" value="{token}"><input name="action" value="pause">
+<input name="queue" value="{queue}"></form>
+<script>
+document.cookie = "tickler_csrf={token}; path=/";
+document.getElementById("forged").submit();
+</script></body></html>"""
+
+
+def test_a_page_on_another_port_cannot_act(browser: Browser, tmp_path: Path) -> None:
+    """The attack in Chromium: a page on another port of 127.0.0.1 plants the cookie
+    (cookies ignore ports) and submits its form to /act. Refused, whether the token is
+    made up or one the dashboard signed (read by a process of the same machine); the
+    dashboard's own button still acts."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    store = filled(tmp_path / "queue.db")
+    admin = store.admin()
+    with served(tickler.web.app(store)) as dashboard:
+        with httpx.Client(base_url=dashboard) as client:
+            signed = token_of(client)
+        for token in ["a" * 43, signed]:
+
+            async def attack(request: Any, token: str = token) -> HTMLResponse:
+                page = ATTACK.format(dashboard=dashboard, token=token, queue=QUEUE)
+                return HTMLResponse(page)
+
+            with served(Starlette(routes=[Route("/", attack)])) as attacker:
+                assert attacker.rsplit(":", 1)[1] != dashboard.rsplit(":", 1)[1]
+                context = browser.new_context()
+                page = context.new_page()
+                with page.expect_response(lambda r: r.url == dashboard + "/act") as posted:
+                    page.goto(attacker + "/")
+                assert posted.value.status == 403, token
+                sent = posted.value.request.all_headers()
+                assert sent["cookie"] == f"tickler_csrf={token}"  # planted, and sent
+                assert sent["sec-fetch-site"] == "same-site"  # ports make no other site
+                context.close()
+            assert call(admin, "counts", QUEUE)["paused"] == 0, token
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(dashboard + "/")
+        page.click(f"[data-queue='{QUEUE}'] button:has-text('Pause')")
+        assert page.locator(".notice").inner_text().startswith("Paused: ")
+        assert call(admin, "counts", QUEUE)["paused"] == 1
+        context.close()
+    call(admin, "aclose")
+
+
+def test_only_this_machines_names_or_the_allowed_ones_are_served(tmp_path: Path) -> None:
+    """A Host other than localhost, 127.0.0.1, [::1], the connection's own address or
+    allowed_hosts is refused with 400 on every route, POST included (DNS rebinding)."""
+    import httpx
+
+    store = filled(tmp_path / "queue.db")
+    admin = store.admin()
+    refused = call(admin, "lookup", QUEUE, "refused")
+    paths = [
+        "/",
+        f"/requests?queue={QUEUE}",
+        f"/request?queue={QUEUE}&id={refused.id}",
+        "/replicas",
+        f"/confirm?action=retry&queue={QUEUE}",
+        "/static/tickler.css",
+        "/favicon.ico",
+        "/no-such-page",
+    ]
+    application = tickler.web.app(store, allowed_hosts=["ops.example.com", "*.corp.example"])
+    with served(application) as url, httpx.Client(base_url=url) as client:
+        port = url.rsplit(":", 1)[1]
+        token = token_of(client)
+        form = {"action": "pause", "queue": QUEUE, "csrf": token}
+        for host in ["rebind.attacker.example", f"rebind.attacker.example:{port}", "corp.example"]:
+            for path in paths:
+                answer = client.get(path, headers={"host": host})
+                assert answer.status_code == 400, (host, path)
+                assert_secured(answer)
+            assert client.post("/act", data=form, headers={"host": host}).status_code == 400
+        assert call(admin, "counts", QUEUE)["paused"] == 0
+        for host in [f"localhost:{port}", "127.0.0.1", "ops.example.com", "eu.corp.example"]:
+            for path in paths[:-1]:
+                assert client.get(path, headers={"host": host}).status_code == 200, (host, path)
+        answer = client.post("/act", data=form, headers={"host": f"localhost:{port}"})
+        assert answer.status_code == 303
+    call(admin, "aclose")
+    with pytest.raises(ValueError, match=r"^allowed_hosts: 'ops.example.com:80' is not a host"):
+        tickler.web.app(store, allowed_hosts=["ops.example.com:80"])
+    with pytest.raises(TypeError, match=r"^allowed_hosts must be a list \(or tuple\) of host"):
+        tickler.web.app(store, allowed_hosts="ops.example.com")  # type: ignore[arg-type]
+    tickler.web.app(store, allowed_hosts=("::1", "*", "10.0.0.7"))
+
+
+def test_the_address_a_connection_came_in_on_is_its_own_host(tmp_path: Path) -> None:
+    """Bound to another address (as to every interface), the dashboard answers by the
+    address it was reached at (scope["server"]), and still refuses any other name."""
+    import httpx
+
+    store = filled(tmp_path / "queue.db")
+    with served(tickler.web.app(store), host="127.0.0.2") as url:
+        port = url.rsplit(":", 1)[1]
+        assert httpx.get(url + "/").status_code == 200
+        for host in ["127.0.0.3", f"127.0.0.3:{port}", "rebind.attacker.example", "[::2]"]:
+            assert httpx.get(url + "/", headers={"host": host}).status_code == 400, host
+
+
+def test_actions_land_on_the_queue_and_key_as_named(empty_store: AnyStore) -> None:
+    """Nothing is stripped: Pause on the card of "mail " pauses "mail " (not "mail"), and
+    a bulk cancel of the key " k" cancels its request (not that of "k")."""
+    import html
+
+    import httpx
+
+    store = empty_store
+    put(store, "mail", {"n": 1})
+    put(store, "mail ", {"n": 2})
+    padded = put(store, "mail", {"n": 3}, key=" k")
+    bare = put(store, "mail", {"n": 4}, key="k")
+    admin = store.admin()
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        token = token_of(client)
+        overview = client.get("/").text
+        card = re.search(r'<section class="queue" data-queue="mail ">.*?</section>', overview, re.S)
+        assert card is not None
+        fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', card[0]))
+        assert fields["queue"] == "mail "
+        assert client.post("/act", data={**fields, "action": "pause"}).status_code == 303
+        assert call(admin, "counts", "mail ")["paused"] == 1
+        assert call(admin, "counts", "mail")["paused"] == 0
+        listed = client.get("/requests", params={"queue": "mail", "key": " k"}).text
+        assert re.findall(r'<tr data-id="(\d+)"', listed) == [str(padded)]
+        confirm = client.get("/confirm", params={"action": "cancel", "queue": "mail", "key": " k"})
+        assert html.unescape(confirm.text).count('name="key" value=" k"') == 1
+        form = {"action": "bulk-cancel", "queue": "mail", "key": " k", "csrf": token}
+        done = client.post("/act", data=form)
+        assert done.status_code == 303
+        assert "n=1" in done.headers["location"]
+    assert call(admin, "lookup", "mail", padded).state == "cancelled"
+    assert call(admin, "lookup", "mail", bare).state == "queued"
+    call(admin, "aclose")
+
+
+def test_a_time_past_the_calendar_renders(empty_store: AnyStore) -> None:
+    """A due time past datetime's years (a delay of 1e12 s, written before the bound, or
+    by another program) shows as the bound it passes, on every page."""
+    import httpx
+
+    store = empty_store
+    ids = {run_at: put(store, QUEUE, {"run_at": str(run_at)}) for run_at in [1e12, -1e12, math.inf]}
+    for run_at, request_id in ids.items():
+        write_run_at(store, request_id, run_at)
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        listed = client.get(f"/requests?queue={QUEUE}")
+        assert listed.status_code == 200, listed.text
+        assert 'title="after 9999-12-31"' in listed.text
+        assert 'title="before 0001-01-01"' in listed.text
+        assert client.get("/").status_code == 200
+        for run_at, request_id in ids.items():
+            shown = client.get(f"/request?queue={QUEUE}&id={request_id}")
+            assert shown.status_code == 200, (run_at, shown.text)
+            due = re.search(r'<dd id="due">(.*?)</dd>', shown.text, re.S)
+            assert due is not None
+            bound = "after 9999-12-31" if run_at > 0 else "before 0001-01-01"
+            assert due[1].startswith(bound), due[1]
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/?done=cancel&n=²", "n"),
+        ("/?done=cancel&n=-1", "n"),
+        ("/?done=cancel&n=1e3", "n"),
+        ("/?done=pwned&n=1", "done"),
+        (f"/requests?queue={QUEUE}&after=9999999999999999999", "after"),
+        (f"/requests?queue={QUEUE}&after=-5", "after"),
+        (f"/requests?queue={QUEUE}&after=%EF%BC%91", "after"),  # a fullwidth 1
+        (f"/requests?queue={QUEUE}&after={'9' * 500}", "after"),
+        (f"/requests?queue={QUEUE}&state=lost", "state"),
+        (f"/request?queue={QUEUE}&id=seven", "id"),
+        (f"/request?queue={QUEUE}&id=-1", "id"),
+        (f"/request?queue={QUEUE}&id=%201", "id"),
+        (f"/request?queue={QUEUE}&id=99999999999999999999999", "id"),
+        (f"/confirm?action=delete&queue={QUEUE}", "action"),
+        ("/request?queue=a%00b&id=1", "queue"),
+    ],
+)
+def test_a_malformed_parameter_is_400_naming_it(tmp_path: Path, path: str, name: str) -> None:
+    """Each parameter is read by one helper: a bad one is 400 with a message that names
+    it, on a page with the security headers (never Starlette's bare 500)."""
+    import httpx
+
+    store = tickler.SqliteStore(tmp_path / "queue.db")
+    store.create_schema()
+    put(store, QUEUE, {"n": 1})
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        answer = client.get(path)
+        assert answer.status_code == 400, answer.text
+        message = re.search(r'id="error-message">([^<]*)<', answer.text)
+        assert message is not None, answer.text
+        assert message[1].startswith(name + " must "), message[1]
+        assert_secured(answer)
+        token = token_of(client)
+        form = {"action": "cancel", "queue": QUEUE, "id": "²", "csrf": token}
+        posted = client.post("/act", data=form)
+        assert posted.status_code == 400
+        assert "id must be a whole number" in posted.text
+        assert_secured(posted)
+
+
+def test_no_query_or_form_makes_a_500(tmp_path: Path) -> None:
+    """Random queries on every page, and random forms posted with a valid token: a page
+    or a 4xx with the security headers, never a 500."""
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    store = tickler.SqliteStore(tmp_path / "queue.db")
+    store.create_schema()
+    put(store, QUEUE, {"n": 1}, key="k")
+    names = ["queue", "state", "key", "group", "after", "id", "action", "done", "n", "csrf"]
+    # Text, numbers of any size, and what has broken pages before: digits str.isdigit()
+    # takes and int() refuses, ids past 64 bits, a NUL, a lone surrogate, padded names.
+    edges = ["²", "٣", "9" * 19, "9" * 20, str(2**63), "-1", " 1", "1e3", "\x00", "\ud800"]
+    words = [QUEUE, " mail", "k", "1", "0", "queued", "failed", "cancel", "retry", "pause"]
+    words += ["resume", "bulk-cancel", "bulk-retry", "%", "&", "="]
+    values = st.one_of(
+        st.sampled_from(edges),
+        st.sampled_from(words),
+        st.text(max_size=30),
+        st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    )
+    queries = st.fixed_dictionaries({}, optional=dict.fromkeys(names, values)).map(
+        lambda query: list(query.items())
+    )
+    pages = st.sampled_from(["/", "/requests", "/request", "/replicas", "/confirm"])
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        token = token_of(client)
+
+        @settings(
+            max_examples=500,
+            deadline=None,
+            suppress_health_check=[HealthCheck.function_scoped_fixture],
+        )
+        @given(page=pages, query=queries, post=st.booleans())
+        def check(page: str, query: list[tuple[str, str]], post: bool) -> None:
+            encoded = urllib.parse.urlencode(query, errors="surrogatepass")
+            if post:
+                form = encoded + "&csrf=" + token
+                answer = client.post(
+                    "/act",
+                    content=form,
+                    headers={"content-type": "application/x-www-form-urlencoded"},
+                )
+            else:
+                answer = client.get(f"{page}?{encoded}")
+            assert answer.status_code < 500, (page, query, post, answer.text[-500:])
+            assert_secured(answer)
+
+        check()
+
+
+def test_a_cancel_says_what_it_did_and_a_final_request_has_no_due_time(
+    empty_store: AnyStore,
+) -> None:
+    """Cancelling a scheduled (or queued) request says it was cancelled before any
+    attempt ran, never that a running attempt is; once final, it shows no due time."""
+    import httpx
+
+    store = empty_store
+    scheduled = put(store, QUEUE, {"n": 1}, delay=3600)
+    queued = put(store, QUEUE, {"n": 2})
+    with served(tickler.web.app(store)) as url, httpx.Client(base_url=url) as client:
+        token = token_of(client)
+        before = client.get(f"/request?queue={QUEUE}&id={scheduled}").text
+        assert re.search(r'<dd id="due">\d{4}-\d\d-\d\d [^<]*<span class="muted">in 5', before)
+        for request_id in [scheduled, queued]:
+            form = {"action": "cancel", "queue": QUEUE, "id": str(request_id), "csrf": token}
+            page = client.post("/act", data=form, follow_redirects=True)
+            notice = re.search(r'<p class="notice" role="status">([^<]*)</p>', page.text)
+            assert notice is not None
+            assert notice[1] == (
+                f"Cancelled request #{request_id} before its next attempt started:"
+                " no attempt of it runs."
+            )
+            assert "running" not in page.text.split('id="due"')[0].split("<main>")[1]
+            assert '<dd id="due">— <span class="muted">(final)</span></dd>' in page.text
+
+
+def failed_with(path: Path, to: str) -> tuple[tickler.SqliteStore, int]:
+    """A SQLite file holding one request that failed with an error naming ``to``."""
+
+    async def run() -> int:
+        store = tickler.SqliteStore(path, poll_interval=POLL)
+        handler = functools.partial(handle, path.with_suffix(".fixed"))
+        async with tickler.open_service(handler, store=store, name=QUEUE) as service:
+            service.enqueue_request({"do": "fail", "to": to}, key="long")
+            admin = store.admin()
+            with trio.fail_after(10):
+                while await states(admin, ["long"]) != ["failed"]:
+                    await trio.sleep(POLL)
+            found = await admin.lookup(QUEUE, "long")
+            await admin.aclose()
+        assert found is not None
+        return int(found.id)
+
+    request_id = trio.run(run)
+    return tickler.SqliteStore(path, poll_interval=POLL), request_id
+
+
+def test_a_long_unbroken_error_wraps(browser: Browser, tmp_path: Path, artifacts: Path) -> None:
+    """An error of 20,000 characters without a space (a URL, base64) wraps: no page is
+    wider than the window."""
+    import base64
+
+    unbroken = base64.b64encode(os.urandom(15_000)).decode()
+    assert len(unbroken) == 20_000
+    store, request_id = failed_with(tmp_path / "queue.db", unbroken)
+    with served(tickler.web.app(store)) as url:
+        context = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = context.new_page()
+        for path, name in [
+            (f"/request?queue={QUEUE}&id={request_id}", "long-error-detail"),
+            (f"/requests?queue={QUEUE}", "long-error-requests"),
+        ]:
+            page.goto(url + path)
+            assert unbroken[:50] in page.content()
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 1280, (path, width)
+            page.screenshot(path=artifacts / f"{name}.png", full_page=False)
+        error = page.goto(url + f"/request?queue={QUEUE}&id={request_id}")
+        assert error is not None
+        box = page.locator("#error").bounding_box()
+        assert box is not None
+        assert box["x"] + box["width"] <= 1280, box
+        page.locator("#error").scroll_into_view_if_needed()
+        page.screenshot(path=artifacts / "long-error-message.png")
+        context.close()
+
+
+def _rgb(css: str) -> tuple[float, float, float, float]:
+    found = re.fullmatch(r"rgba?\(([\d.]+), ([\d.]+), ([\d.]+)(?:, ([\d.]+))?\)", css)
+    assert found is not None, css
+    red, green, blue, alpha = found.groups()
+    return float(red), float(green), float(blue), 1.0 if alpha is None else float(alpha)
+
+
+def contrast(foreground: str, background: str) -> float:
+    """WCAG 2's contrast ratio of two opaque CSS colours."""
+
+    def luminance(css: str) -> float:
+        *channels, alpha = _rgb(css)
+        assert alpha == 1.0, css
+        linear = [
+            c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+            for c in (channel / 255 for channel in channels)
+        ]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted([luminance(foreground), luminance(background)], reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+# The colour an element's text is drawn on: its own background, or the first opaque one
+# of its ancestors.
+SHOWN_COLOURS = """element => {
+  const color = getComputedStyle(element).color;
+  for (let node = element; node; node = node.parentElement) {
+    const background = getComputedStyle(node).backgroundColor;
+    if (background !== "rgba(0, 0, 0, 0)" && background !== "transparent") {
+      return [color, background];
+    }
+  }
+  return [color, "rgb(255, 255, 255)"];
+}"""
+
+
+def test_the_refresh_button_reads_on_hover_and_the_favicon_is_served(
+    browser: Browser, tmp_path: Path, artifacts: Path
+) -> None:
+    """The header's button keeps a contrast of at least 4.5:1 (WCAG AA) at rest and under
+    the pointer; /favicon.ico and the icon the pages name are served, no page asks
+    for anything that is not there."""
+    import httpx
+
+    store = filled(tmp_path / "queue.db")
+    with served(tickler.web.app(store)) as url:
+        icon = httpx.get(url + "/favicon.ico")
+        assert icon.status_code == 200
+        assert icon.headers["content-type"] == "image/vnd.microsoft.icon"
+        assert icon.content[:4] == b"\x00\x00\x01\x00"  # an ICO file's header
+        linked = httpx.get(url + "/static/favicon.ico")
+        assert (linked.status_code, linked.content) == (200, icon.content)
+        context = browser.new_context()
+        page = context.new_page()
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status >= 400 else None)
+        page.goto(url + "/")
+        toggle = page.locator("#refresh-toggle")
+        at_rest = toggle.evaluate(SHOWN_COLOURS)
+        assert contrast(*at_rest) >= 4.5, at_rest
+        toggle.hover()
+        hovered = toggle.evaluate(SHOWN_COLOURS)
+        assert hovered != at_rest  # the hover shows
+        assert contrast(*hovered) >= 4.5, hovered
+        page.locator("header").screenshot(path=artifacts / "header-hover.png")
+        named = page.locator("link[rel=icon]").evaluate("link => link.href")
+        assert named == url + "/static/favicon.ico"
+        assert missing == []
+        context.close()
 
 
 if __name__ == "__main__":

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
+import hmac
 import inspect
 import logging
 import math
 import pprint
+import re
 import secrets
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,11 +22,19 @@ from typing import Any
 import attrs
 import jinja2
 from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._exceptions import KeyTaken
 from .._stores._admin import COUNT_CAP, Admin
@@ -63,11 +75,23 @@ BULK_STATES = {
 PAGE_SIZE = 50
 CSRF_COOKIE = "tickler_csrf"
 CSRF_FIELD = "csrf"
+# The largest id (and count) a page takes: a store's ids are 64-bit signed integers.
+MAX_ID = 2**63 - 1
 MAX_FORM_BYTES = 64 * 1024
 REFRESH_SECONDS = 5
+# The host names every dashboard answers to, besides the address the connection came in
+# on and the allowed_hosts of app(): this machine's own names.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# The shortest secret= that app() takes, in bytes.
+MIN_SECRET_BYTES = 16
+FAVICON_TYPE = "image/vnd.microsoft.icon"
 # What an action's redirect says on the page it lands on: fixed texts, never echoed input.
 NOTICES = {
-    "cancel": "Cancelled request #{n} (a running attempt is cancelled by its replica).",
+    "cancel": "Cancelled request #{n} before its next attempt started: no attempt of it runs.",
+    "cancel-running": (
+        "Asked the replica running request #{n} to stop its attempt: it becomes cancelled"
+        " as the replica withdraws it (within its poll_interval)."
+    ),
     "cancel-refused": "Request #{n} was not cancelled: it is already final.",
     "retry": "Request #{n} is queued to run again now.",
     "retry-refused": (
@@ -146,16 +170,27 @@ class BasicAuth:
 
 
 def when(epoch: float | None) -> str:
-    """An epoch time as UTC, to the second."""
-    if epoch is None:
+    """An epoch time as UTC, to the second; one past the calendar's years (a row written
+    with a delay of centuries) as the bound it passes."""
+    if epoch is None or math.isnan(epoch):
         return "—"
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return "after 9999-12-31" if epoch > 0 else "before 0001-01-01"
+
+
+# Past this many seconds, a duration is shown as its bound (a time past the calendar's
+# years is stored as any float).
+LONGEST_SHOWN = 10_000 * 365 * 86400
 
 
 def duration(seconds: float | None) -> str:
     """A number of seconds as a person reads it: 12 ms, 4.2 s, 3 min 5 s, 2 h 3 min."""
     if seconds is None or math.isnan(seconds):
         return "—"
+    if seconds > LONGEST_SHOWN:
+        return "over 10,000 years"
     if seconds < 0:
         return "-" + duration(-seconds)
     if 0 < seconds < 0.0005:
@@ -221,11 +256,13 @@ def _environment() -> jinja2.Environment:
 
 @attrs.define(eq=False)
 class Dashboard:
-    """The state behind one ``app(...)``: the store, its admin object, the templates."""
+    """The state behind one ``app(...)``: the store, its admin object, the templates, and
+    the secret that signs its forms' tokens."""
 
     store: SqliteStore | PostgresStore
     read_only: bool
     auth: Auth | None
+    secret: bytes = attrs.field(repr=False)
     environment: jinja2.Environment = attrs.field(factory=_environment)
     _admin: Admin | None = None
 
@@ -246,28 +283,52 @@ class Dashboard:
         dsn = getattr(self.store, "dsn", None)
         return [dsn] if isinstance(dsn, str) else []
 
+    # The forms' tokens: a random nonce and its HMAC under the dashboard's secret (the
+    # signed double-submit pattern). A cookie planted by another site (another port of the
+    # host, a sibling subdomain) holds a token this dashboard did not sign: refused.
+
+    def _mac(self, nonce: str) -> str:
+        digest = hmac.new(self.secret, nonce.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def new_token(self) -> str:
+        nonce = secrets.token_urlsafe(24)
+        return f"{nonce}.{self._mac(nonce)}"
+
+    def signed(self, token: str) -> bool:
+        """Whether ``token`` is one this dashboard issued (compared in constant time)."""
+        nonce, dot, mac = token.partition(".")
+        if not dot or len(token) > 200 or not token.isascii():
+            return False
+        return hmac.compare_digest(mac.encode(), self._mac(nonce).encode())
+
     def render(
-        self, request: Request, template: str, status: int = 200, **context: Any
+        self,
+        request: Request,
+        template: str,
+        status: int = 200,
+        notice: bool = True,
+        **context: Any,
     ) -> HTMLResponse:
+        """``template`` with ``context``; ``notice``: with the notice its query names (an
+        error page shows none: its query may be what failed)."""
         token = request.cookies.get(CSRF_COOKIE) or ""
-        fresh = not _good_token(token)
+        fresh = not self.signed(token)
         if fresh:
-            token = secrets.token_urlsafe(32)
+            token = self.new_token()
         root = request.scope.get("root_path", "")
-        notice = NOTICES.get(request.query_params.get("done", ""), "")
-        count = request.query_params.get("n", "")
         html = self.environment.get_template(template).render(
             root=root,
             csrf=token,
             read_only=self.read_only,
             link=functools.partial(link, root),
-            notice=notice.format(n=int(count)) if notice and count.isdigit() else "",
+            notice=_notice(request.query_params) if notice else "",
             now=time.time(),
             refresh=REFRESH_SECONDS,
             states=STATES,
             **context,
         )
-        response = HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+        response = HTMLResponse(html, status_code=status)
         if fresh:
             response.set_cookie(
                 CSRF_COOKIE,
@@ -279,9 +340,22 @@ class Dashboard:
             )
         return response
 
+    def error(self, request: Request, status: int, message: str) -> Response:
+        """The error page; if even that fails to render, the message as plain text."""
+        try:
+            return self.render(request, "error.html", status=status, notice=False, message=message)
+        except Exception:
+            logger.exception("dashboard: the error page of %s failed", request.url.path)
+            return PlainTextResponse(f"{status}: {message}\n", status)
 
-def _good_token(token: str) -> bool:
-    return 20 <= len(token) <= 100 and token.replace("-", "").replace("_", "").isalnum()
+
+def _notice(query: Mapping[str, str]) -> str:
+    """The notice an action's redirect asks for (a fixed text), with its number."""
+    done = _choice(query, "done", NOTICES)
+    if done is None:
+        return ""
+    count = _int(query, "n")
+    return NOTICES[done].format(n=0 if count is None else count)
 
 
 def link(root: str, page: str, **query: object) -> str:
@@ -301,13 +375,10 @@ def _page(dashboard: Dashboard, endpoint: Endpoint) -> Callable[[Request], Await
         try:
             return await endpoint(dashboard, request)
         except Refused as refused:
-            return dashboard.render(
-                request, "error.html", status=refused.status, message=refused.message
-            )
+            return dashboard.error(request, refused.status, refused.message)
         except (TypeError, ValueError) as exc:
             # The admin API's word on a bad queue name or key: the rule, naming the field.
-            message = redact(str(exc), dashboard.secrets_of())
-            return dashboard.render(request, "error.html", status=400, message=message)
+            return dashboard.error(request, 400, redact(str(exc), dashboard.secrets_of()))
         except Exception as exc:
             hidden = dashboard.secrets_of()
             logger.error(  # noqa: TRY400 - the traceback is logged redacted, below
@@ -317,7 +388,7 @@ def _page(dashboard: Dashboard, endpoint: Endpoint) -> Callable[[Request], Await
                 redact(_traceback(exc), hidden),
             )
             message = redact(f"{type(exc).__name__}: {exc}", hidden)
-            return dashboard.render(request, "error.html", status=500, message=message)
+            return dashboard.error(request, 500, message)
 
     return run
 
@@ -328,25 +399,35 @@ def _traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))
 
 
+# -- the parameters of a query or form: each read by one of these, as given (nothing is
+# stripped: the queue "mail " is not "mail"), an empty one as absent; a bad one is 400,
+# naming it.
+
+
 def _text(query: Mapping[str, str], name: str) -> str | None:
-    value = query.get(name, "").strip()
-    return value or None
+    return query.get(name) or None
 
 
 def _int(query: Mapping[str, str], name: str) -> int | None:
-    value = query.get(name, "").strip()
-    if not value:
+    value = query.get(name) or None
+    if value is None:
         return None
-    if not value.isdigit() or len(value) > 19:
-        raise Refused(400, f"{name} must be a whole number")
+    # ASCII digits only: str.isdigit() takes "²", which int() refuses.
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_ID:
+        raise Refused(400, f"{name} must be a whole number from 0 to {MAX_ID}, not {short(value)}")
     return int(value)
+
+
+def _choice(query: Mapping[str, str], name: str, choices: Iterable[str]) -> str | None:
+    value = query.get(name) or None
+    if value is not None and value not in choices:
+        raise Refused(400, f"{name} must be one of " + ", ".join(choices))
+    return value
 
 
 def _filters(query: Mapping[str, str]) -> dict[str, str | None]:
     """The state, key and group filters of a query or form, checked."""
-    state = _text(query, "state")
-    if state is not None and state not in STATES:
-        raise Refused(400, "state must be one of " + ", ".join(STATES))
+    state = _choice(query, "state", STATES)
     return {"state": state, "key": _text(query, "key"), "group": _text(query, "group")}
 
 
@@ -429,9 +510,9 @@ async def confirm(dashboard: Dashboard, request: Request) -> Response:
     if dashboard.read_only:
         raise Refused(403, "this dashboard is read-only")
     query = request.query_params
-    action = query.get("action", "")
-    if action not in BULK_STATES:
-        raise Refused(400, "action must be cancel or retry")
+    action = _choice(query, "action", BULK_STATES)
+    if action is None:
+        raise Refused(400, "action must be one of cancel, retry")
     queue = _text(query, "queue")
     if queue is None:
         raise Refused(400, "queue is required")
@@ -458,14 +539,19 @@ async def _bulk_count(
 
 
 async def act(dashboard: Dashboard, request: Request) -> Response:
-    """POST /act: one action, checked (read-only, CSRF), done, logged, then a redirect."""
+    """POST /act: one action, checked (read-only, origin, CSRF), done, logged, then a
+    redirect."""
     if dashboard.read_only:
         logger.warning("dashboard: refused a %s: read-only", request.url.path)
         raise Refused(403, "this dashboard is read-only")
+    foreign = _cross_site(request)
+    if foreign is not None:
+        logger.warning("dashboard: refused an action from another site (%s)", foreign)
+        raise Refused(403, "this form came from another site")
     form = await _form(request)
     cookie = request.cookies.get(CSRF_COOKIE, "")
     token = form.get(CSRF_FIELD, "")
-    if not (cookie and token and secrets.compare_digest(cookie.encode(), token.encode())):
+    if not (dashboard.signed(cookie) and secrets.compare_digest(cookie.encode(), token.encode())):
         logger.warning("dashboard: refused an action without a valid CSRF token")
         raise Refused(403, "this form has expired or came from another site: reload and retry")
     action = form.get("action", "")
@@ -479,7 +565,15 @@ async def act(dashboard: Dashboard, request: Request) -> Response:
         request_id = _int(form, "id")
         if request_id is None:
             raise Refused(400, "id is required")
-        done = await (admin.cancel if action == "cancel" else admin.retry)(queue, request_id)
+        running = False
+        if action == "cancel":
+            # What the notice says depends on whether an attempt ran, before or after.
+            before = await admin.lookup(queue, request_id)
+            done = await admin.cancel(queue, request_id)
+            after = await admin.lookup(queue, request_id)
+            running = any(seen is not None and seen.state == "running" for seen in (before, after))
+        else:
+            done = await admin.retry(queue, request_id)
         logger.info(
             "dashboard: %s of request %d of queue %r %s (by %s)",
             action,
@@ -488,7 +582,7 @@ async def act(dashboard: Dashboard, request: Request) -> Response:
             "done" if done else "refused",
             who,
         )
-        outcome = action if done else f"{action}-refused"
+        outcome = (f"{action}-running" if running else action) if done else f"{action}-refused"
         return _redirect(
             link(root, "request", queue=queue, id=request_id, done=outcome, n=request_id)
         )
@@ -540,8 +634,22 @@ def _who(request: Request) -> str:
     return client
 
 
+def _cross_site(request: Request) -> str | None:
+    """Why a POST came from another site, or None: a browser's ``Sec-Fetch-Site`` must be
+    ``same-origin``, and its ``Origin`` the dashboard's own. A client that sends neither (not
+    a browser: curl, a script) is let through to the token's check."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site != "same-origin":
+        return f"Sec-Fetch-Site: {short(site, 40)}"
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is not None and origin.lower() != own.lower():
+        return f"Origin: {short(origin, 80)}, not {own!r}"
+    return None
+
+
 def _redirect(path: str) -> Response:
-    return RedirectResponse(path, status_code=303, headers=SECURITY_HEADERS)
+    return RedirectResponse(path, status_code=303)
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -583,8 +691,88 @@ class _Guard:
         await refusal(scope, receive, send)
 
 
+@attrs.define(eq=False)
+class _Secured:
+    """Every response carries SECURITY_HEADERS, whoever made it: a page, a file, a refusal,
+    Starlette's own 404 or 500."""
+
+    app: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers.setdefault(name, value)
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+# A Host header: a name or an IP literal, then a port.
+_HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::[0-9]{1,5})?")
+
+
+class _TrustedHost(TrustedHostMiddleware):
+    """Starlette's check of the Host header against the allowed names (a page reached by
+    another name, as by DNS rebinding, is refused with 400), which also lets through the
+    address that the connection came in on (the server's own, as ``scope["server"]``):
+    ``http://10.0.0.7:8000`` for a dashboard bound to 0.0.0.0."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _to_own_address(scope):
+            await self.app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _to_own_address(scope: Scope) -> bool:
+    server = scope.get("server")
+    if not server or not isinstance(server[0], str) or not server[0]:
+        return False
+    address = f"[{server[0]}]" if ":" in server[0] else server[0]
+    header = next((value for name, value in scope["headers"] if name == b"host"), b"")
+    found = _HOST_HEADER.fullmatch(header.decode("latin-1"))
+    return found is not None and found[1].lower() == address.lower()
+
+
+def _allowed_hosts(allowed_hosts: object) -> list[str]:
+    """LOCAL_HOSTS and ``allowed_hosts``, checked, an IPv6 address in brackets."""
+    if isinstance(allowed_hosts, str) or not isinstance(allowed_hosts, list | tuple):
+        raise TypeError("allowed_hosts must be a list (or tuple) of host names")
+    hosts = list(LOCAL_HOSTS)
+    for given in allowed_hosts:
+        if not isinstance(given, str) or not given:
+            raise TypeError("allowed_hosts must hold non-empty str host names")
+        # An IPv6 address is written in brackets, as a Host header writes it.
+        host = f"[{given}]" if ":" in given and not given.startswith("[") else given
+        name = host[2:] if host.startswith("*.") else host
+        if host != "*" and (_HOST_HEADER.fullmatch(name) is None or "*" in name):
+            raise ValueError(
+                f"allowed_hosts: {given!r} is not a host name: a name or address without"
+                " a port, '*.example.com' for its subdomains, or '*' for any"
+            )
+        hosts.append(host.lower())
+    return hosts
+
+
+async def _favicon(_: Request) -> Response:
+    """/favicon.ico, which a browser asks of a dashboard served at the root."""
+    return FileResponse(_HERE / "static" / "favicon.ico", media_type=FAVICON_TYPE)
+
+
 def app(
-    store: SqliteStore | PostgresStore, *, read_only: bool = False, auth: Auth | None = None
+    store: SqliteStore | PostgresStore,
+    *,
+    read_only: bool = False,
+    auth: Auth | None = None,
+    allowed_hosts: list[str] | tuple[str, ...] = (),
+    secret: str | bytes | None = None,
 ) -> ASGIApp:
     """The dashboard of ``store``'s queues, as an ASGI application.
 
@@ -601,10 +789,17 @@ def app(
             True) to let it through, anything else answers 403 (401 with a Basic
             challenge for a :class:`BasicAuth`). None: no check, as for any page
             bound to 127.0.0.1 only.
+        allowed_hosts: the host names (no port) the dashboard answers to, besides
+            ``localhost``, ``127.0.0.1``, ``[::1]`` and the address each connection came in
+            on; ``"*.example.com"`` for its subdomains, ``"*"`` for any. A request with any
+            other ``Host`` is refused with 400.
+        secret: the key that signs the forms' CSRF tokens: at least 16 bytes (a str as its
+            UTF-8). None: a random one for this application, so that a token outlives
+            neither the process nor the application. Give every process serving one
+            dashboard behind a single address the same secret.
 
     Raises:
-        TypeError: ``store`` has no admin API, ``read_only`` is not a bool, or
-            ``auth`` is not callable.
+        TypeError, ValueError: a parameter breaks its rule (the message names it).
     """
     if not callable(getattr(store, "admin", None)):
         raise TypeError(
@@ -614,7 +809,14 @@ def app(
         raise TypeError("read_only must be a bool")
     if auth is not None and not callable(auth):
         raise TypeError("auth must be a callable taking a request, or None")
-    dashboard = Dashboard(store, read_only, auth)
+    hosts = _allowed_hosts(allowed_hosts)
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if secret is not None and not isinstance(secret, bytes):
+        raise TypeError("secret must be a str, bytes or None")
+    if secret is not None and len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes long")
+    dashboard = Dashboard(store, read_only, auth, secret or secrets.token_bytes(32))
 
     def route(path: str, endpoint: Endpoint, methods: tuple[str, ...] = ("GET",)) -> Route:
         return Route(path, _page(dashboard, endpoint), methods=list(methods))
@@ -628,7 +830,7 @@ def app(
         finally:
             await dashboard.aclose()
 
-    application = Starlette(
+    application: ASGIApp = Starlette(
         routes=[
             route("/", overview),
             route("/requests", requests_page),
@@ -636,8 +838,11 @@ def app(
             route("/replicas", replicas),
             route("/confirm", confirm),
             route("/act", act, ("POST",)),
+            Route("/favicon.ico", _favicon),
             Mount("/static", app=StaticFiles(directory=_HERE / "static"), name="static"),
         ],
         lifespan=lifespan,
     )
-    return application if auth is None else _Guard(application, auth)
+    if auth is not None:
+        application = _Guard(application, auth)
+    return _Secured(_TrustedHost(application, allowed_hosts=hosts, www_redirect=False))
