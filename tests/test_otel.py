@@ -556,3 +556,41 @@ async def test_an_idle_service_polls_without_spans_and_a_busy_batch_makes_one(
         attributes = batch.attributes or {}
         counts = [attributes[f"tickler.batch.{n}"] for n in ("inserted", "written", "claimed")]
         assert any(counts), attributes
+
+
+async def test_a_sampler_that_drops_every_span_starts_none_in_memory(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import Tracer
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    started = 0
+    start_span = Tracer.start_span
+
+    def counted(self: Tracer, *args: Any, **kwargs: Any) -> Any:
+        nonlocal started
+        started += 1
+        return start_span(self, *args, **kwargs)
+
+    seen: dict[int, trace.SpanContext] = {}
+
+    async def handler(request: int) -> int:
+        seen[request] = trace.get_current_span().get_span_context()
+        return request * 2
+
+    async with tickler.open_service(handler, name="mail") as service:
+        instrument(service, tracer_provider=provider)
+        with provider.get_tracer("web").start_as_current_span("GET /") as web:
+            monkeypatch.setattr(Tracer, "start_span", counted)
+            tickets = [service.enqueue_request(i) for i in range(3)]
+        tickets += [service.enqueue_request(i) for i in range(3, 6)]  # each a root
+        assert [await ticket.wait() for ticket in tickets] == [0, 2, 4, 6, 8, 10]
+    assert started == 0  # the sampler's decision is known: no span is started
+    assert service.statistics().succeeded == 6
+    # Under the dropped web span, its context is carried on; the roots get new unsampled ones.
+    assert [seen[i] for i in range(3)] == [web.get_span_context()] * 3
+    for i in range(3, 6):
+        assert seen[i].is_valid, seen[i]
+        assert not seen[i].trace_flags.sampled, seen[i]

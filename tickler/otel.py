@@ -41,6 +41,7 @@ carries that span context on.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -99,7 +100,12 @@ def instrument(
     previous = service._tracer
     handler = previous.handler if isinstance(previous, _Tracing) else service._handler
     tracing = _Tracing(service, tracer, handler)
-    service._handler = tracing.wrap(handler) if tracing.per_request else handler
+    if tracing.per_request:
+        service._handler = tracing.wrap(handler)
+    elif tracing.drops_all:
+        service._handler = tracing.unsampled(handler)
+    else:
+        service._handler = handler
     with service._lock:
         service._tracer = tracing
         service._intake.set_admit()
@@ -210,6 +216,36 @@ def _remote(traceparent: str, tracestate: str | None) -> SpanContext | None:
                        trace_state=state)  # fmt: skip
 
 
+def _records_nothing(tracer: trace.Tracer) -> bool:
+    """Whether ``tracer`` is the SDK's, with a sampler that drops every span, whatever its
+    parent: ALWAYS_OFF, TraceIdRatioBased(0), or ParentBased of those alone. Its decision is
+    known without asking it (a sampler the SDK does not define is asked, span by span)."""
+    sampling = sys.modules.get("opentelemetry.sdk.trace.sampling")
+    if sampling is None:  # the SDK is not imported: the tracer is not the SDK's
+        return False
+    return _drops_all(sampling, getattr(tracer, "sampler", None))
+
+
+def _drops_all(sampling: Any, sampler: object) -> bool:
+    kind = type(sampler)
+    if kind is sampling.StaticSampler:
+        return bool(sampler._decision == sampling.Decision.DROP)  # type: ignore[attr-defined]
+    if kind is sampling.TraceIdRatioBased:
+        return bool(sampler._bound == 0)  # type: ignore[attr-defined]
+    if kind in (sampling.ParentBased, sampling.ParentBasedTraceIdRatio):
+        return all(
+            _drops_all(sampling, getattr(sampler, name))
+            for name in (
+                "_root",
+                "_remote_parent_sampled",
+                "_remote_parent_not_sampled",
+                "_local_parent_sampled",
+                "_local_parent_not_sampled",
+            )
+        )
+    return False
+
+
 class _Tracing:
     """The service's tracer (its ``_tracer``, a ``_parts.TracerPart``), and the spans it keeps."""
 
@@ -226,10 +262,15 @@ class _Tracing:
         # The API's no-op tracer: it records nothing, and only carries the span context
         # current where a span starts on; so no span is started (see _start and enqueued).
         self.noop = isinstance(tracer, trace.NoOpTracer)
+        # The SDK's tracer with a sampler that drops every span, whatever its parent: its
+        # decision is known without asking it (see _records_nothing).
+        self.drops_all = _records_nothing(tracer)
         # In memory, a handler runs in its enqueuer's context, which holds the span context
         # the no-op tracer would carry on: then there is nothing to do for each request (its
-        # enqueues take the engine's fast path, and the handler is not wrapped).
-        self.per_request = not (self.noop and service._store_run is None)
+        # enqueues take the engine's fast path, and the handler is not wrapped). Nor under a
+        # sampler that drops every span: the handler's wrapper (see unsampled) reads the
+        # enqueuer's span context from that context, at the attempt, and records nothing.
+        self.per_request = not ((self.noop or self.drops_all) and service._store_run is None)
         # The attributes every span of a kind has, made once: a span that does not record
         # gets these alone (a sampler sees them), and builds nothing.
         self.send_attributes = self._attributes("enqueue", "send")
@@ -313,6 +354,40 @@ class _Tracing:
             return result
 
         return traced
+
+    def unsampled(
+        self, handler: Callable[[Any], Awaitable[Any]]
+    ) -> Callable[[Any], Awaitable[Any]]:
+        """The handler in memory under a sampler that drops every span: each attempt runs
+        under the span context the SDK would give it, not sampled, and no span is started.
+
+        The enqueuer's span context is current as the attempt starts (a handler runs in
+        its enqueuer's context). A local one that is not sampled is carried on as it is;
+        under any other (sampled, remote, or none), the attempt runs under a new span
+        context that is not sampled, in the enqueuer's trace or, without one, in a new trace.
+        """
+        get_current_span = trace.get_current_span
+        ids = self.tracer.id_generator  # type: ignore[attr-defined]  # the SDK's tracer
+
+        async def unsampled(request: Any) -> Any:
+            current = get_current_span().get_span_context()
+            if current.is_valid and not (current.trace_flags.sampled or current.is_remote):
+                return await handler(request)
+            if current.is_valid:
+                trace_id, state = current.trace_id, current.trace_state
+            else:
+                trace_id, state = ids.generate_trace_id(), None
+            span = NonRecordingSpan(
+                SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
+                            trace_flags=TraceFlags(TraceFlags.DEFAULT), trace_state=state)
+            )  # fmt: skip
+            token = otel_context.attach(trace.set_span_in_context(span))
+            try:
+                return await handler(request)
+            finally:
+                otel_context.detach(token)
+
+        return unsampled
 
     def _start(self, ticket: Ticket[Any, Any]) -> Span | None:
         """The attempt's span, to make current while it runs; None: leave the context as it is.
