@@ -581,7 +581,9 @@ def test_the_admin_reads_a_group_on_its_indexes_in_plans_for_any_parameters(
         failed_g1 = _admin._count_where(session, "jobs", _admin._Filter.of("failed", None, "g1"))
         assert _admin._cancel_where(session, "jobs", g1) == waiting > 0
         assert _admin._retry_where(session, "jobs", g1) == waiting + failed_g1
-        asks += [("count", "queued"), ("count", "failed"), ("cancel", None), ("retry", None)]
+        # Each bulk action: its write, and its read of the rows it left (held by a batch).
+        asks += [("count", "queued"), ("count", "failed")]
+        asks += [("cancel", None), ("cancel: held", None), ("retry", None), ("retry: held", None)]
         plans = []
         with psycopg.connect(postgres_dsn, autocommit=True) as db:
             db.execute(f'SET search_path TO "{postgres_schema}"')

@@ -19,6 +19,7 @@ withdraws the attempt, on whichever replica runs it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -34,6 +35,8 @@ from .._exceptions import KeyTaken
 from ._sql import COUNTED, KNOWN_QUEUES, RESCUE_REASONS, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger("tickler")
 
 STATES = ("queued", "scheduled", "running", "retrying", "succeeded", "failed", "cancelled")
 _LIVE = "state IN ('queued', 'scheduled', 'running', 'retrying')"
@@ -53,6 +56,10 @@ COUNT_CAP = 50_000
 # The overview's percentiles read at most this many of the latest rows finished in the
 # window, so that a busy queue's overview costs the same as a quiet one's.
 PERCENTILE_ROWS = 10_000
+
+# How many times in all the admin runs a transaction of its own that the server ended
+# to break a deadlock (see _again_on_deadlock).
+DEADLOCK_TRIES = 3
 
 # The columns of an AdminRequest, in the order _request() reads them.
 _COLUMNS = (
@@ -180,8 +187,18 @@ class AdminDialect(Dialect, Protocol):
     ready_state: str
     """The WHERE term of the store's partial index of ready rows, in its very words."""
 
+    skip_locked: str
+    """The words that make a SELECT lock the rows it gives, passing over those another
+    transaction holds, without waiting; empty in a store that locks no rows (its writers
+    take turns on the whole store)."""
+
     def key_taken(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the store refusing a second live row of a key."""
+        ...
+
+    def deadlocked(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the server ending this session's transaction to break a
+        deadlock (it rolled back, and may run again)."""
         ...
 
     def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
@@ -364,47 +381,50 @@ def _count_where(d: AdminDialect, queue: str, f: _Filter) -> int:
 
 
 def _cancel_where(d: AdminDialect, queue: str, f: _Filter) -> int:
-    """One UPDATE: live rows that do not run end CANCELLED; running rows have their
-    cancel asked of their owner (those already asked are not counted again).
+    """Live rows that do not run end CANCELLED; running rows have their cancel asked of
+    their owner (those already asked are not counted again).
 
     The rows are picked by id, those that wait and those that run apart, each read on an
-    index that holds them; the UPDATE checks them again as it writes each."""
+    index that holds them; each is checked again as it is written (see _bulk)."""
     m = d.mark
     where, params = f.where(m, queue)
-    live = f"{_LIVE} AND NOT (state = 'running' AND cancel_requested)"
-    sql = (
-        "UPDATE tickler_requests SET"
-        " cancel_requested = CASE WHEN state = 'running' THEN TRUE ELSE cancel_requested END,"
+    sets = (
+        "cancel_requested = CASE WHEN state = 'running' THEN TRUE ELSE cancel_requested END,"
         f" finished_at = CASE WHEN state = 'running' THEN finished_at ELSE {m} END,"
         " state = CASE WHEN state = 'running' THEN state ELSE 'cancelled' END"
-        f" WHERE {live} AND id IN ("
-        f"SELECT id FROM tickler_requests WHERE {where} AND {_WAITING}"
-        f" UNION ALL SELECT id FROM tickler_requests WHERE {where} AND {_RUNNING}"
-        " AND NOT cancel_requested)"
     )
-    return _write(d, sql, lambda now: [now, *params, *params], queue=None)
+    check = f"{_LIVE} AND NOT (state = 'running' AND cancel_requested)"
+    picks = [
+        (f"{where} AND {_WAITING}", params),
+        (f"{where} AND {_RUNNING} AND NOT cancel_requested", params),
+    ]
+    return _bulk(d, sets, check, picks, queue=None)
 
 
-def _retry_sql(m: str, where: str) -> str:
-    """Failed or cancelled rows queued again, now: their attempts and error kept. A row
-    of a key is retried only if it is the key's latest row and no live row holds the key
-    (the key then becomes live again)."""
-    return (
-        "UPDATE tickler_requests SET state = 'queued',"
-        f" run_at = {m}, finished_at = NULL, result = NULL, cancel_requested = FALSE,"
-        " owner = NULL, lease_until = NULL"
-        f" WHERE {where} AND {_RETRYABLE} AND (key IS NULL OR NOT EXISTS ("
-        " SELECT 1 FROM tickler_requests AS h WHERE h.queue = tickler_requests.queue"
-        " AND h.key = tickler_requests.key AND h.id <> tickler_requests.id"
-        f" AND (h.id > tickler_requests.id OR h.{_LIVE})))"
-    )
+# What a retry sets ({m}: the time it is due, now), and where it applies: failed or
+# cancelled rows queued again, their attempts and error kept. A row of a key is retried
+# only if it is the key's latest row and no live row holds the key (the key then becomes
+# live again).
+_RETRY_SETS = (
+    "state = 'queued', run_at = {m}, finished_at = NULL, result = NULL,"
+    " cancel_requested = FALSE, owner = NULL, lease_until = NULL"
+)
+_RETRY_CHECK = (
+    f"{_RETRYABLE} AND (key IS NULL OR NOT EXISTS ("
+    " SELECT 1 FROM tickler_requests AS h WHERE h.queue = tickler_requests.queue"
+    " AND h.key = tickler_requests.key AND h.id <> tickler_requests.id"
+    f" AND (h.id > tickler_requests.id OR h.{_LIVE})))"
+)
 
 
 def _retry(d: AdminDialect, queue: str, request_id: int) -> int:
     """0 as well where a request of its key was enqueued while the retry ran (its key is
     live again: the request stays as it was)."""
     m = d.mark
-    sql = _retry_sql(m, f"queue = {m} AND id = {m}")
+    sql = (
+        f"UPDATE tickler_requests SET {_RETRY_SETS.format(m=m)}"
+        f" WHERE queue = {m} AND id = {m} AND {_RETRY_CHECK}"
+    )
     try:
         return _write(d, sql, lambda now: [now, queue, request_id], queue=queue)
     except Exception as exc:
@@ -415,8 +435,9 @@ def _retry(d: AdminDialect, queue: str, request_id: int) -> int:
 
 def _retry_where(d: AdminDialect, queue: str, f: _Filter) -> int:
     where, params = f.where(d.mark, queue)
+    picks = [(f"{where} AND {_RETRYABLE}", params)]
     try:
-        return _write(d, _retry_sql(d.mark, where), lambda now: [now, *params], queue=queue)
+        return _bulk(d, _RETRY_SETS.format(m=d.mark), _RETRY_CHECK, picks, queue=queue)
     except Exception as exc:
         if d.key_taken(exc):
             raise KeyTaken(
@@ -426,40 +447,136 @@ def _retry_where(d: AdminDialect, queue: str, f: _Filter) -> int:
         raise
 
 
+def _bulk(
+    d: AdminDialect,
+    sets: str,
+    check: str,
+    picks: Sequence[tuple[str, list[Any]]],
+    *,
+    queue: str | None,
+) -> int:
+    """A bulk write: SET ``sets`` (its one placeholder: the store's time) on the rows that
+    ``picks`` select (each a WHERE and its parameters: the rows are picked by id, each
+    pick read on an index of its own), each written only where ``check`` holds as it is
+    written; the rows written. With ``queue``, wake its replicas (NOTIFY where the store
+    has it).
+
+    It never waits for a row's lock while it holds another's. A replica's batch takes the
+    locks of its rows in statements of their own (the attempts started, each kind of
+    outcome, the renewal of its leases), in no order the admin could follow, so such a
+    wait could close a cycle with it: a deadlock. So one statement writes every row
+    picked that no other transaction holds, taking each lock without waiting (the
+    dialect's skip_locked); then each row left, held by a batch at that instant, is
+    written in a transaction of its own, which waits for that batch alone (a row whose
+    write would take a key that another request holds by then is left as it is). A store
+    that locks no rows (SQLite) writes them all in the first statement.
+    """
+    m = d.mark
+
+    def picked(lock: str) -> str:
+        return " UNION ALL ".join(
+            f"SELECT id FROM (SELECT id FROM tickler_requests WHERE {where}{lock}) AS p{i}"
+            for i, (where, _) in enumerate(picks)
+        )
+
+    picked_params = [p for _, params in picks for p in params]
+    first = f"UPDATE tickler_requests SET {sets} WHERE {check} AND id IN ({picked(d.skip_locked)})"
+    left = f"SELECT id FROM tickler_requests WHERE {check} AND id IN ({picked('')}) ORDER BY id"
+    one = f"UPDATE tickler_requests SET {sets} WHERE {check} AND id = {m}"
+
+    def write_free() -> tuple[int, list[int]]:
+        written = int(d.execute(first, [d.now()[0], *picked_params]).rowcount)
+        held = [int(i) for (i,) in d.execute(left, picked_params)] if d.skip_locked else []
+        if queue is not None and written:
+            d.notify(queue)
+        return written, held
+
+    written, held = _transaction(d, write_free)
+    for request_id in held:
+
+        def write_one(request_id: int = request_id) -> int:
+            count = int(d.execute(one, [d.now()[0], request_id]).rowcount)
+            if queue is not None and count:
+                d.notify(queue)
+            return count
+
+        try:
+            written += _transaction(d, write_one)
+        except Exception as exc:
+            if not d.key_taken(exc):
+                raise
+    return written
+
+
 def _write(
     d: AdminDialect, sql: str, params: Callable[[float], list[Any]], *, queue: str | None
 ) -> int:
     """Run one UPDATE in a transaction of its own, at the store's time; the rows it wrote.
     With ``queue``, wake its replicas (NOTIFY where the store has it)."""
-    d.begin()
-    try:
-        cursor = d.execute(sql, params(d.now()[0]))
-        written = int(cursor.rowcount)
+
+    def write() -> int:
+        written = int(d.execute(sql, params(d.now()[0])).rowcount)
         if queue is not None and written:
             d.notify(queue)
-        d.commit()
-    except BaseException:
-        d.rollback()
-        raise
-    return written
+        return written
+
+    return _transaction(d, write)
+
+
+def _transaction(d: AdminDialect, work: Callable[[], _T]) -> _T:
+    """``work()`` in a transaction of its own (rolled back if it raises); run again where
+    the server ended that transaction to break a deadlock (see _again_on_deadlock)."""
+
+    def once() -> _T:
+        d.begin()
+        try:
+            done = work()
+            d.commit()
+        except BaseException:
+            d.rollback()
+            raise
+        return done
+
+    return _again_on_deadlock(d, once)
+
+
+def _again_on_deadlock(d: AdminDialect, call: Callable[[], _T]) -> _T:
+    """``call()``, which runs one whole transaction of the admin's; again, up to
+    DEADLOCK_TRIES times in all, while the server ends that transaction to break a
+    deadlock (it ends one transaction of the cycle, which wrote nothing; the others go
+    on). The admin's writes wait for no row while holding another (see _bulk), but a
+    write may still wait on another transaction while it holds its row: one that inserts
+    the key a retry makes live again, say, while it waits for that row in turn."""
+    tries = 1
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if tries >= DEADLOCK_TRIES or not d.deadlocked(exc):
+                raise
+            logger.warning(
+                "the admin's transaction was ended by the server to break a deadlock;"
+                " running it again (try %d of %d)",
+                tries + 1,
+                DEADLOCK_TRIES,
+            )
+            tries += 1
 
 
 def _cancel(d: AdminDialect, queue: str, id_or_key: object) -> bool:
-    return cancel(d, queue, id_or_key)[0]
+    return _again_on_deadlock(d, lambda: cancel(d, queue, id_or_key))[0]
 
 
 def _set_paused(d: AdminDialect, queue: str, paused: bool) -> bool:
     """Whether the store knew the queue before (see Admin.pause)."""
-    d.begin()
-    try:
+
+    def write() -> bool:
         known = queue in _queues(d)
         d.execute(d.statements.set_paused, (queue, paused))
         d.notify(queue)
-        d.commit()
-    except BaseException:
-        d.rollback()
-        raise
-    return known
+        return known
+
+    return _transaction(d, write)
 
 
 def _counts(
@@ -784,8 +901,9 @@ class Admin:
     async def cancel_where(
         self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
     ) -> int:
-        """cancel() of every live request the filter selects, in one statement; how many
-        were cancelled or asked to cancel."""
+        """cancel() of every live request the filter selects, in one statement (but for
+        the rows a replica's batch holds at that instant, each written on its own once
+        that batch commits); how many were cancelled or asked to cancel."""
         _check_queue(queue)
         f = _Filter.of(state, key, group)
         self._writes("cancel_where")
@@ -795,7 +913,8 @@ class Admin:
         self, queue: str, *, state: str | None = None, key: object = None, group: str | None = None
     ) -> int:
         """retry() of every failed or cancelled request the filter selects, in one
-        statement; how many were queued again."""
+        statement (but for the rows a replica's batch holds at that instant, each written
+        on its own once that batch commits); how many were queued again."""
         _check_queue(queue)
         f = _Filter.of(state, key, group)
         self._writes("retry_where")

@@ -1354,11 +1354,17 @@ class PostgresSession:
 
     mark = "%s"
     ready_state = _READY
+    skip_locked = " FOR UPDATE SKIP LOCKED"
 
     def key_taken(self, exc: BaseException) -> bool:
         import psycopg.errors
 
         return isinstance(exc, psycopg.errors.UniqueViolation)
+
+    def deadlocked(self, exc: BaseException) -> bool:
+        import psycopg.errors
+
+        return isinstance(exc, psycopg.errors.DeadlockDetected)
 
     def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
         """The planner's estimate of the query's rows, from the table's statistics (kept

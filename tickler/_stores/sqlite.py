@@ -938,9 +938,14 @@ class SqliteSession:
 
     mark = "?"
     ready_state = _READY
+    # SQLite locks the whole file for a writer, never a row: no deadlock among its writers.
+    skip_locked = ""
 
     def key_taken(self, exc: BaseException) -> bool:
         return isinstance(exc, sqlite3.IntegrityError) and "tickler_requests.queue" in str(exc)
+
+    def deadlocked(self, exc: BaseException) -> bool:
+        return False
 
     def estimate(self, sql: str, params: Sequence[Any]) -> int | None:
         """SQLite keeps no estimate of a query's rows."""
