@@ -245,10 +245,18 @@ def test_a_dead_owner_is_not_listed_while_another_session_looks_at_its_lock(
     session.run("jobs", "owner-a", 30.0, 86400.0, Batch(claim=1))
     session.close()  # its lock goes; its record stays, as it runs a request
     with psycopg.connect(postgres_dsn) as db:
-        (taken,) = db.execute(
-            "SELECT pg_try_advisory_xact_lock(hashtextextended('tickler:owner:' || %s, 0))",
-            ("owner-a",),
-        ).fetchone() or (None,)
-        assert taken is True
+        # The closed session's backend drops its lock as it exits, which the server does
+        # after close() returns: wait (bounded) until the lock can be taken.
+        deadline = time.monotonic() + 10
+        while True:
+            (taken,) = db.execute(
+                "SELECT pg_try_advisory_xact_lock(hashtextextended('tickler:owner:' || %s, 0))",
+                ("owner-a",),
+            ).fetchone() or (None,)
+            if taken is True:
+                break
+            db.rollback()
+            assert time.monotonic() < deadline, "the closed session's lock was not freed in 10 s"
+            time.sleep(0.01)
         assert replicas(store) == []
         db.rollback()
