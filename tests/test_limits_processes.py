@@ -97,7 +97,7 @@ class Run:
     lines: list[Line]
     rows: dict[int, tuple[str | None, str, int, float, str]]  # id: group, state, attempts, ...
     victim: int
-    killed_before: float  # time.time() just before the SIGKILL
+    killed_before: float  # time.time() just before the SIGSTOP that precedes the SIGKILL
     killed_after: float
     held_at_kill: set[int]  # the rows the victim held (running, its lease) at the kill
     fed: dict[int, int]  # id of each fed ungrouped request: the grouped backlog at its enqueue
@@ -184,29 +184,43 @@ def grouped_backlog(connection: Any, backend: Backend) -> int:
     return int(found[0])
 
 
-def catch_mid_attempt(place: Place) -> tuple[subprocess.Popen[bytes], str]:
-    """A live worker that runs a grouped attempt now (as its last lines say), and its owner."""
+def _running_grouped(lines: list[Line]) -> collections.Counter[int]:
+    """Each process's grouped attempts that started and have not ended, as the lines say."""
+    tail = lines[-300:]  # an attempt's start and end are 20 ms apart
+    ends = {(line.pid, line.id) for line in tail if line.kind == "end"}
+    return collections.Counter(
+        line.pid
+        for line in tail
+        if line.kind == "start" and group_of(line) is not None and (line.pid, line.id) not in ends
+    )
+
+
+def stop_mid_attempt(place: Place) -> tuple[subprocess.Popen[bytes], str, float]:
+    """A live worker stopped (SIGSTOP) while it runs a grouped attempt, its owner, and
+    the time.time() just before the signal.
+
+    A worker seen mid-attempt may end that attempt before the signal lands (its
+    attempts last 20 ms): the lines are read again once it is stopped, and a worker
+    that holds no attempt any more is let go on (SIGCONT) and another one is caught.
+    """
     deadline = time.monotonic() + 10
     while True:
-        assert time.monotonic() < deadline, "no worker ran a grouped attempt"
-        lines = place.lines()
-        tail = lines[-300:]  # an attempt's start and end are 20 ms apart
-        ends = {(line.pid, line.id) for line in tail if line.kind == "end"}
-        running = collections.Counter(
-            line.pid
-            for line in tail
-            if line.kind == "start"
-            and group_of(line) is not None
-            and (line.pid, line.id) not in ends
-        )
+        assert time.monotonic() < deadline, "no worker was stopped mid-attempt"
+        running = _running_grouped(place.lines())
         candidates = [p for p in place.processes if running[p.pid] and p.poll() is None]
-        if candidates:
-            victim = max(candidates, key=lambda p: running[p.pid])
+        if not candidates:
+            time.sleep(0.002)
+            continue
+        victim = max(candidates, key=lambda p: running[p.pid])
+        stopped_at = time.time()
+        os.kill(victim.pid, signal.SIGSTOP)
+        lines = place.lines()
+        if _running_grouped(lines)[victim.pid]:
             (owner,) = [
                 line.fields[0] for line in lines if line.kind == "owner" and line.pid == victim.pid
             ]
-            return victim, owner
-        time.sleep(0.002)
+            return victim, owner, stopped_at
+        os.kill(victim.pid, signal.SIGCONT)
 
 
 def run(place: Place, *limit: str) -> Run:
@@ -236,11 +250,9 @@ def run(place: Place, *limit: str) -> Run:
                 # No feeding for 0.3 s before the kill, so that no ungrouped
                 # request waits in the victim.
                 time.sleep(0.3)
-                victim, owner = catch_mid_attempt(place)
-                killed_before = time.time()
                 # Stopped first, it keeps its liveness lock: what it holds at the kill is
                 # read before the others can rescue it.
-                os.kill(victim.pid, signal.SIGSTOP)
+                victim, owner, killed_before = stop_mid_attempt(place)
                 held_at_kill = {
                     int(row[0])
                     for row in place.backend.select(

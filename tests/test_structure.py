@@ -10,9 +10,13 @@ no private attribute of a service.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+import tickler
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tickler"
 
@@ -165,3 +169,59 @@ def test_every_tuning_names_its_benchmark_row() -> None:
     assert len(tunings) >= 10
     for where, line in tunings:
         assert "# tuned (bench: " in line, (where, line)
+
+
+# What `import tickler` may not load: the stores, the admin, the web app, the CLI,
+# tracing and metrics, and the libraries they stand on.
+_NOT_AT_IMPORT = (
+    "sqlite3",
+    "psycopg",
+    "starlette",
+    "opentelemetry",
+    "prometheus_client",
+    "tickler._stores.sqlite",
+    "tickler._stores.postgres",
+    "tickler._stores._admin",
+    "tickler._stores._sql",
+    "tickler.web",
+    "tickler.otel",
+    "tickler.prometheus",
+    "tickler.__main__",
+)
+
+
+def _fresh(code: str) -> str:
+    done = subprocess.run(  # noqa: S603  # this interpreter, with code of this file
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
+    return done.stdout
+
+
+def test_import_tickler_loads_the_core_only() -> None:
+    loaded = _fresh(
+        f"import sys, tickler\nprint(' '.join(m for m in {_NOT_AT_IMPORT!r} if m in sys.modules))\n"
+    )
+    assert loaded.split() == []
+
+
+def test_the_lazy_names_load_on_first_use() -> None:
+    out = _fresh(
+        "import sys, tickler\n"
+        "print(tickler.SqliteStore.__module__, 'sqlite3' in sys.modules)\n"
+        "from tickler import *\n"
+        "print(sorted(tickler.__all__) == sorted(n for n in dir() if n in tickler.__all__))\n"
+        "print(set(tickler.__all__) <= set(dir(tickler)))\n"
+        "print(tickler.Admin.__name__, tickler.PostgresStore.__name__)\n"
+    )
+    assert out.split("\n")[:4] == [
+        "tickler._stores.sqlite True",
+        "True",
+        "True",
+        "Admin PostgresStore",
+    ]
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        tickler.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
