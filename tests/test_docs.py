@@ -629,3 +629,25 @@ def test_readme_lists_each_page_once() -> None:
     listed = re.findall(r"^- \[[^\]]+\]\((docs/[^)#]+)\)", (ROOT / "README.md").read_text(), re.M)
     assert listed
     assert sorted(listed) == sorted(set(listed))
+
+
+_MODULE_ROW = re.compile(r"^\| `(tickler/[\w/]+\.py)` \| (\d+) \|", re.MULTILINE)
+_NAMED_FILE = re.compile(r"`(tickler/[\w/]+\.py)`")
+
+
+def test_the_design_page_names_every_module_with_its_size() -> None:
+    """design.md's table of modules names each module of tickler/ once, each with its
+    size within 15% (or 20 lines) of the file's; its table of owners names only files
+    that exist."""
+    page = (ROOT / "docs" / "design.md").read_text()
+    listed = {path: int(lines) for path, lines in _MODULE_ROW.findall(page)}
+    assert len(listed) == len(_MODULE_ROW.findall(page)), "a module is listed twice"
+    modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tickler").rglob("*.py")}
+    assert sorted(modules - listed.keys()) == [], "modules the design page does not list"
+    assert sorted(listed.keys() - modules) == [], "the design page lists files that are gone"
+    for path, lines in listed.items():
+        actual = len((ROOT / path).read_text().splitlines())
+        assert abs(actual - lines) <= max(20, 0.15 * actual), (path, lines, actual)
+    owners = page[page.index("## Which file owns what") : page.index("## Every module")]
+    for path in _NAMED_FILE.findall(owners):
+        assert (ROOT / path).is_file(), path
