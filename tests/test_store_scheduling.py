@@ -603,6 +603,49 @@ async def test_a_delay_past_100_years_is_refused_on_every_enqueue_path(
         assert row.run_at == pytest.approx(time.time() + 3153600000.0, abs=60)
 
 
+UNIQUE_FOR = (
+    r"^unique_for must be > 0 and at most 3153600000\.0 seconds \(100 years\),"
+    r" or math\.inf \(for good\)$"
+)
+NO_KEY = r"^unique_for needs a key: it says how long the key stays taken$"
+
+
+@pytest.mark.parametrize("unique_for", [3153600000.001, 1e300, math.nan, -math.inf, 0, -1])
+async def test_a_unique_for_out_of_range_is_refused_alike_on_every_enqueue_path(
+    backend: Backend, store: Any, unique_for: float
+) -> None:
+    """A hold past 100 years (but math.inf), NaN or not > 0 is refused with one message on
+    every path that takes it, before anything is written; so is a hold without a key."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            store.enqueue_in(connection, "jobs", 1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            store.enqueue_many_in(
+                connection, "jobs", [1, 2], key=lambda n: n, unique_for=unique_for
+            )
+        with pytest.raises(ValueError, match=NO_KEY):
+            store.enqueue_in(connection, "jobs", 1, unique_for=60)
+        with pytest.raises(ValueError, match=NO_KEY):
+            store.enqueue_many_in(connection, "jobs", [1, 2], unique_for=60)
+        connection.commit()
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as service:
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            service.enqueue_request(1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            service.enqueue_many([1, 2], key=lambda n: n, unique_for=unique_for)
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            await service.submit(1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=NO_KEY):
+            service.enqueue_many([1, 2], unique_for=60)
+    assert backend.rows() == []
+    # 100 years, and math.inf (for good), are kept.
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_in(connection, "jobs", 1, key="a", unique_for=3153600000.0)
+        store.enqueue_many_in(connection, "jobs", [2], key=lambda n: "b", unique_for=math.inf)
+        connection.commit()
+    assert len(backend.rows()) == 2
+
+
 def test_enqueue_many_in_refuses_a_key_that_is_not_callable_and_bad_requests_first(
     backend: Backend, store: Any
 ) -> None:
