@@ -24,7 +24,7 @@ import trio
 import tickler
 from tickler._stores._seam import Batch, BatchResult, Session
 
-from .store_backends import FAST, Backend
+from .store_backends import FAST, Backend, owner_id
 from .test_store_contract import BACKENDS, double
 
 
@@ -50,7 +50,7 @@ def session(store: Any) -> Iterator[Session]:
 
 
 def run(session: Session, batch: Batch, *, owner: str = "me", retention: float = 86400.0) -> Any:
-    return session.run("jobs", owner, 30.0, retention, batch)
+    return session.run("jobs", owner_id(owner), 30.0, retention, batch)
 
 
 def entry(
@@ -285,7 +285,7 @@ def test_a_paused_queue_claims_nothing_and_resumes(backend: Backend, store: Any)
         )
         assert run(b, Batch(claim=5), owner="other").claimed == []
         # Another queue of the store is not paused.
-        assert b.run("other", "me", 30.0, 86400.0, Batch(claim=1)).paused is False
+        assert b.run("other", owner_id("me"), 30.0, 86400.0, Batch(claim=1)).paused is False
         resumed = run(b, Batch(pause=False, claim=5), owner="other")
         assert not resumed.paused
         assert claimed(resumed) == [b"1", b"2", b"3"]
@@ -430,7 +430,7 @@ def test_a_tick_to_catch_up_with_enqueues_only_after_one_was_recorded(
 
 def test_ticks_are_a_queues_own(session: Session) -> None:
     assert run(session, Batch(ticks=[tick("t", 100.0)])).ticked[0] > 0
-    other = session.run("other", "me", 30.0, 86400.0, Batch(ticks=[tick("t", 100.0)]))
+    other = session.run("other", owner_id("me"), 30.0, 86400.0, Batch(ticks=[tick("t", 100.0)]))
     assert other.ticked[0] > 0
 
 
@@ -685,7 +685,7 @@ def test_the_postgres_claim_reads_the_claim_index(postgres_dsn: str, postgres_sc
         connection.execute(f"ANALYZE {table}")
         connection.execute(f'SET search_path TO "{postgres_schema}"')
         params = {
-            "owner": "me",
+            "owner": owner_id("me"),
             "lease_until": 2e9,
             "now": 1e9,
             "queue": "jobs",
@@ -753,7 +753,7 @@ def check_migrated(store: Any, version: Callable[[], int], latest: int) -> None:
     try:
         result = session.run(
             "jobs",
-            "me",
+            owner_id("me"),
             30.0,
             86400.0,
             Batch(inserts=[entry(b"3", priority=1), entry(b"4", key='"k"')], claim=10, pause=False),
@@ -762,7 +762,9 @@ def check_migrated(store: Any, version: Callable[[], int], latest: int) -> None:
         assert claimed(result) == [b"3", b"1", b"2"]
         assert [row[6] for row in result.claimed] == [1, 0, 0]
         assert session.statistics("jobs")["paused"] == 0
-        assert session.run("jobs", "me", 30.0, 86400.0, Batch(ticks=[tick("t", 1.0)])).ticked[0]
+        assert session.run(
+            "jobs", owner_id("me"), 30.0, 86400.0, Batch(ticks=[tick("t", 1.0)])
+        ).ticked[0]
     finally:
         session.close()
 
