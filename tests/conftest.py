@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -12,6 +13,8 @@ import pytest
 import trio
 
 import tickler
+
+from .store_backends import set_owner_suffix
 
 # The process tests' checks live in a helper module: give its asserts
 # pytest's explanations too.
@@ -265,3 +268,10 @@ def cluster_schema(postgres_cluster: Cluster) -> Iterator[str]:
         postgres_cluster.start()  # a test that failed with the server down
     with psycopg.connect(postgres_cluster.dsn, autocommit=True) as connection:
         connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@pytest.fixture(autouse=True)
+def _owner_ids_of_this_test() -> None:
+    """Every owner id a test names (store_backends.owner_id) is its own: a suffix drawn
+    for it, so that no other test, test run or leftover session shares its liveness lock."""
+    set_owner_suffix(uuid.uuid4().hex[:12])

@@ -22,6 +22,22 @@ import tickler
 
 FAST: dict[str, Any] = {"lease": 5.0, "poll_interval": 0.05}
 
+# This test's own suffix of the owner ids it names (conftest sets it before each test).
+# A PostgreSQL owner's liveness lock is database-wide (its key is the owner id's hash),
+# so a fixed id ("me") would be shared with any other test run on the server at once,
+# or with a session a test left behind.
+_owner_suffix = "0"
+
+
+def set_owner_suffix(suffix: str) -> None:
+    global _owner_suffix
+    _owner_suffix = suffix
+
+
+def owner_id(name: str) -> str:
+    """The owner id ``name`` of this test alone: ``name`` and this test's suffix."""
+    return f"{name}-{_owner_suffix}"
+
 
 @attrs.define
 class Backend:

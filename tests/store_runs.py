@@ -89,10 +89,25 @@ class Place:
         try:
             yield place
         finally:
-            for process in place.processes:
-                if process.poll() is None:
-                    os.kill(process.pid, signal.SIGKILL)
-                    process.wait()
+            place.kill_all()
+
+    def kill_all(self) -> None:
+        """Kill (SIGKILL) every worker still running, and reap it."""
+        for process in self.processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def finish(self, timeout: float = 30.0) -> None:
+        """Ask every worker to stop (the stop file), and wait at most ``timeout`` seconds
+        in all for them to end: each must end with status 0, but for those killed."""
+        self.stop.touch()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            if process.poll() is None:
+                process.wait(max(0.1, deadline - time.monotonic()))
+        dead = [p.returncode for p in self.processes if p.returncode not in (0, -signal.SIGKILL)]
+        assert not dead, f"workers failed: {dead}"
 
     def launch(self, *options: str) -> subprocess.Popen[bytes]:
         """A worker on the store, logging to the shared log."""

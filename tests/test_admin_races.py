@@ -21,7 +21,6 @@ import collections
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.parse
 import uuid
@@ -29,13 +28,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import psycopg
 import pytest
 import trio
 
 import tickler
 
-from .store_runs import ROOT, Line
+from . import store_runs
+from .store_backends import PostgresBackend
 
 # Seconds each admin write races the workers.
 PHASE = 3.5
@@ -94,79 +95,30 @@ def _deadlocks(dsn: str) -> int:
     return int(row[0])
 
 
-class Workers:
+@attrs.define
+class Place(store_runs.Place):
     """The worker processes of tests/race_worker.py on the queue "jobs", and their log."""
 
-    def __init__(self, dsn: str, tmp_path: Path) -> None:
-        self.dsn = dsn
-        self.log = tmp_path / "log"
-        self.stop = tmp_path / "stop"
-        self.processes: list[subprocess.Popen[bytes]] = []
+    worker = "tests.race_worker"
+    lease = LEASE
+    poll_interval = 0.05
 
-    def launch(self) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            [
-                sys.executable,
-                "-m",
-                "tests.race_worker",
-                self.dsn,
-                str(self.log),
-                str(self.stop),
-                "--schema",
-                "tickler",
-                "--lease",
-                str(LEASE),
-                "--poll-interval",
-                "0.05",
-            ],
-            cwd=ROOT,
-        )
-        self.processes.append(process)
-        return process
-
-    def lines(self) -> list[Line]:
-        if not self.log.exists():
-            return []
-        return [Line.parse(text) for text in self.log.read_text().splitlines()]
-
-    def wait_ready(self) -> None:
-        """Until every worker launched and not killed has logged ready."""
-        deadline = time.monotonic() + 60
-        while True:
-            ready = {line.pid for line in self.lines() if line.kind == "ready"}
-            alive = [p for p in self.processes if p.returncode != -signal.SIGKILL]
-            if all(p.pid in ready for p in alive):
-                return
-            assert time.monotonic() < deadline, "the workers did not start"
-            assert all(p.poll() is None for p in alive), "a worker died"
-            time.sleep(0.02)
+    @classmethod
+    def on(cls, dsn: str, tmp_path: Path) -> Place:
+        """The workers of the store at ``dsn`` (its schema "tickler"), logging in ``tmp_path``."""
+        return cls(PostgresBackend(dsn, "tickler"), 2, tmp_path / "log", tmp_path / "stop")
 
     def running(self, pid: int) -> bool:
         """Whether the worker ``pid`` holds running rows now (its owner's, in the store)."""
         lines = self.lines()
         owners = [line.fields[0] for line in lines if (line.kind, line.pid) == ("owner", pid)]
-        with psycopg.connect(self.dsn, autocommit=True) as db:
+        with self.backend.connect() as db:
             row = db.execute(
-                "SELECT count(*) FROM tickler.tickler_requests"
+                f"SELECT count(*) FROM {self.backend.table('tickler_requests')}"  # noqa: S608
                 " WHERE state = 'running' AND owner = ANY(%s)",
                 (owners,),
             ).fetchone()
         return row is not None and row[0] > 0
-
-    def finish(self) -> None:
-        self.stop.touch()
-        deadline = time.monotonic() + 30
-        for process in self.processes:
-            if process.poll() is None:
-                process.wait(max(0.1, deadline - time.monotonic()))
-        dead = [p.returncode for p in self.processes if p.returncode not in (0, -signal.SIGKILL)]
-        assert not dead, f"workers failed: {dead}"
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 def test_the_admins_writes_race_claims_renewals_and_rescues_without_a_deadlock(
@@ -174,7 +126,7 @@ def test_the_admins_writes_race_claims_renewals_and_rescues_without_a_deadlock(
 ) -> None:
     store = tickler.PostgresStore(race_dsn, lease=LEASE)
     store.create_schema()
-    workers = Workers(race_dsn, tmp_path)
+    workers = Place.on(race_dsn, tmp_path)
     try:
         first, _ = workers.launch(), workers.launch()
         workers.wait_ready()
@@ -196,7 +148,7 @@ def test_the_admins_writes_race_claims_renewals_and_rescues_without_a_deadlock(
 
 
 async def _race(
-    store: tickler.PostgresStore, workers: Workers, first: subprocess.Popen[bytes]
+    store: tickler.PostgresStore, workers: Place, first: subprocess.Popen[bytes]
 ) -> tuple[collections.Counter[str], collections.Counter[str]]:
     """Each admin write, over and over for PHASE seconds, while the feed keeps the workers
     busy; the first worker killed halfway (once it runs rows), and another launched.

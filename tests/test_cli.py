@@ -14,6 +14,8 @@ import pytest
 
 from tickler.__main__ import inspect_postgres, main, redact
 
+from .store_backends import owner_id
+
 SECRET = "SECRET"  # noqa: S105 - the word the output must never hold
 
 
@@ -165,12 +167,12 @@ def test_pause_and_resume_a_sqlite_queue(tmp_path: Path) -> None:
     session = store.connect()
     try:
         assert session.statistics("jobs")["paused"] == 1
-        assert session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed == []
+        assert session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=5)).claimed == []
         result = inspect("resume", url, "jobs")
         assert (result.returncode, result.stderr) == (0, "")
         assert result.stdout == f"resumed queue 'jobs' of {url}: its services claim again\n"
         assert inspect("inspect", url).stdout.startswith("queue 'jobs': 1 queued, ")
-        assert len(session.run("jobs", "me", 30.0, 86400.0, Batch(claim=5)).claimed) == 1
+        assert len(session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=5)).claimed) == 1
     finally:
         session.close()
     # A queue with no requests yet can be paused, with a warning, and shows.
@@ -311,7 +313,7 @@ def _busy_groups(store: object, connect: object) -> None:
     session = store.connect()  # type: ignore[attr-defined]
     try:
         limits = {"*": (1, None, 1.0), "c": (None, 5, 2.5)}
-        result = session.run("jobs", "me", 30.0, 86400.0, Batch(claim=10, limits=limits))
+        result = session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=10, limits=limits))
         assert len(result.claimed) == 4
         assert result.limited == 3
     finally:
@@ -401,10 +403,13 @@ def _every_live_state(store: object, connect: object) -> None:
     session = store.connect()  # type: ignore[attr-defined]
     try:
         claimed = [
-            row[0] for row in session.run("jobs", "me", 30.0, 86400.0, Batch(claim=3)).claimed
+            row[0]
+            for row in session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=3)).claimed
         ]
         retry = ("retrying", claimed[1], (time.time() + 3600, "E", "again", "tb"))
-        session.run("jobs", "me", 30.0, 86400.0, Batch(started=[claimed[0]], outcomes=[retry]))
+        session.run(
+            "jobs", owner_id("me"), 30.0, 86400.0, Batch(started=[claimed[0]], outcomes=[retry])
+        )
     finally:
         session.close()
 

@@ -25,6 +25,7 @@ import pytest
 import tickler
 
 from .conftest import Cluster
+from .store_backends import owner_id
 from .store_runs import caller_connection, log_lines, owner_of, worker
 
 LEASE = "300"
@@ -431,7 +432,7 @@ def test_a_batch_stopped_mid_transaction_is_ended_once_it_outlives_its_lease(
     held, go_on = threading.Event(), threading.Event()
     failed: list[BaseException] = []
     try:
-        first = stuck.run("jobs", "stuck", 1.0, 86400.0, Batch(claim=5))
+        first = stuck.run("jobs", owner_id("stuck"), 1.0, 86400.0, Batch(claim=5))
         mine = {row[0] for row in first.claimed}
         assert len(mine) == 5
         execute = stuck.execute
@@ -447,7 +448,7 @@ def test_a_batch_stopped_mid_transaction_is_ended_once_it_outlives_its_lease(
 
         def look() -> None:
             try:
-                stuck.run("jobs", "stuck", 1.0, 86400.0, Batch(renew=True))
+                stuck.run("jobs", owner_id("stuck"), 1.0, 86400.0, Batch(renew=True))
             except BaseException as exc:  # checked below
                 failed.append(exc)
 
@@ -459,7 +460,9 @@ def test_a_batch_stopped_mid_transaction_is_ended_once_it_outlives_its_lease(
         taken: set[int] = set()
         while len(taken) < 5:
             assert time.monotonic() < deadline, f"rescued only {taken} of {mine}"
-            result = rescuer.run("jobs", "rescuer", 30.0, 86400.0, Batch(claim=5, renew=True))
+            result = rescuer.run(
+                "jobs", owner_id("rescuer"), 30.0, 86400.0, Batch(claim=5, renew=True)
+            )
             taken |= {row[0] for row in result.claimed if row[7] == "lease_lapsed"}
             time.sleep(0.1)
         assert taken == mine
@@ -517,12 +520,12 @@ def check_rescues_counted(store: Any) -> None:
     store.create_schema()  # again: nothing to do
     session = store.connect()
     try:
-        first = session.run("jobs", "first", 30.0, 86400.0, Batch(claim=1))
+        first = session.run("jobs", owner_id("first"), 30.0, 86400.0, Batch(claim=1))
         [(old, *_)] = first.claimed  # the row of the older version, due first
         session.close()  # its owner's lock goes with the session
         session = store.connect()
         # (A look: SQLite asks for dead owners in the claims of its looks.)
-        result = session.run("jobs", "second", 30.0, 86400.0, Batch(claim=1, renew=True))
+        result = session.run("jobs", owner_id("second"), 30.0, 86400.0, Batch(claim=1, renew=True))
         assert [(row[0], row[7]) for row in result.claimed] == [(old, "owner_died")]
         counts = session.statistics("jobs")
         assert (counts["rescued_owner_died"], counts["rescued_lease_lapsed"]) == (1, 0)

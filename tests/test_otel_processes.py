@@ -27,6 +27,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import tickler
 from tickler.otel import instrument, instrument_store
 
+from .store_backends import owner_id
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -255,17 +257,19 @@ def check_trace_columns(store: tickler.SqliteStore | tickler.PostgresStore) -> N
     insert = ('"k"', "queued", b"1", 0.0, 7, None, "g", None)
     session = store.connect()
     try:
-        result = session.run("jobs", "me", 30.0, 86400.0, Batch(inserts=[insert], traces=[None]))
+        result = session.run(
+            "jobs", owner_id("me"), 30.0, 86400.0, Batch(inserts=[insert], traces=[None])
+        )
         plain = session.run(
             "jobs",
-            "me",
+            owner_id("me"),
             30.0,
             86400.0,
             Batch(inserts=[(None, "queued", b"2", 0.0, 0, None, None, None)], traces=None),
         )
         traced = session.run(
             "jobs",
-            "me",
+            owner_id("me"),
             30.0,
             86400.0,
             Batch(

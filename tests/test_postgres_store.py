@@ -17,6 +17,7 @@ import trio
 import tickler
 
 from .conftest import Cluster
+from .store_backends import owner_id
 from .store_runs import driver_of, sync_of
 
 
@@ -361,7 +362,7 @@ def test_the_claim_never_takes_an_expired_lease_whose_cancel_was_asked_for(
                 (lapsed,),
             )
         now, _ = connection.now()
-        claimed = connection.claim("jobs", "me", now, now + 30, 10)()
+        claimed = connection.claim("jobs", owner_id("me"), now, now + 30, 10)()
         assert [row[0] for row in claimed] == [lapsed]  # only the one without a cancel
     finally:
         connection.close()
@@ -611,3 +612,26 @@ def test_the_admin_reads_a_group_on_its_indexes_in_plans_for_any_parameters(
     assert (seen["count", None], seen["page", None]) == (len(rows), 50)
     assert seen["count", "running"] == seen["page", "running"] == len(running) == 40
     assert seen["count", "failed"] == seen["page", "failed"] == len(failed) > 0
+
+
+def test_a_tests_owner_ids_are_its_own(postgres_dsn: str, postgres_schema: str) -> None:
+    """Another test run's session holding the liveness lock of an owner id this test names
+    (the lock is database-wide, by the id's hash) takes nothing from this test: each test's
+    owner ids carry a suffix of its own (conftest sets it, store_backends.owner_id adds it)."""
+    import psycopg
+
+    from tickler._stores._seam import Batch
+
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    with psycopg.connect(postgres_dsn, autocommit=True) as other_run:
+        # Taken here, unless another test run holds it already: held elsewhere either way.
+        other_run.execute(
+            "SELECT pg_try_advisory_lock(hashtextextended('tickler:owner:' || %s, 0))", ("me",)
+        )
+        session = store.connect()
+        try:
+            result = session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=1))
+        finally:
+            session.close()
+    assert not result.lost

@@ -22,6 +22,7 @@ import trio
 import tickler
 import tickler.web
 
+from .store_backends import owner_id
 from .store_runs import log_lines, owner_of, worker
 from .test_liveness import db_args, enqueue, starts, stop, store_of, wait_for
 from .test_web import CHROMIUM, served
@@ -216,10 +217,10 @@ def check_recorded(store: Any) -> None:
     before = time.time()
     session = store.connect()
     try:
-        session.run("jobs", "owner-a", 30.0, 86400.0, Batch(claim=1))
+        session.run("jobs", owner_id("owner-a"), 30.0, 86400.0, Batch(claim=1))
         (replica,) = replicas(store)
         assert (replica.owner, replica.host, replica.pid) == (
-            "owner-a",
+            owner_id("owner-a"),
             socket.gethostname(),
             os.getpid(),
         )
@@ -242,7 +243,7 @@ def test_a_dead_owner_is_not_listed_while_another_session_looks_at_its_lock(
     store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
     enqueue(store, ["r0"])
     session = store.connect()
-    session.run("jobs", "owner-a", 30.0, 86400.0, Batch(claim=1))
+    session.run("jobs", owner_id("owner-a"), 30.0, 86400.0, Batch(claim=1))
     session.close()  # its lock goes; its record stays, as it runs a request
     with psycopg.connect(postgres_dsn) as db:
         # The closed session's backend drops its lock as it exits, which the server does
@@ -251,7 +252,7 @@ def test_a_dead_owner_is_not_listed_while_another_session_looks_at_its_lock(
         while True:
             (taken,) = db.execute(
                 "SELECT pg_try_advisory_xact_lock(hashtextextended('tickler:owner:' || %s, 0))",
-                ("owner-a",),
+                (owner_id("owner-a"),),
             ).fetchone() or (None,)
             if taken is True:
                 break

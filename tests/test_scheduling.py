@@ -142,10 +142,28 @@ async def test_unique_for_needs_a_key_and_a_positive_number() -> None:
     service = tickler.Service(recorder()[1])
     with pytest.raises(ValueError, match="unique_for needs a key"):
         service.enqueue_request(1, unique_for=5)
-    with pytest.raises(ValueError, match="unique_for must be > 0"):
+    with pytest.raises(ValueError, match="unique_for must be > 0 and at most"):
         service.enqueue_request(1, key="k", unique_for=0)
     with pytest.raises(TypeError, match="unique_for must be a number"):
         service.enqueue_request(1, key="k", unique_for="5")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("unique_for", [3153600000.001, 1e300, math.nan, -math.inf, 0])
+async def test_a_unique_for_out_of_range_is_refused_alike_in_memory(unique_for: float) -> None:
+    """Past 100 years (but math.inf), NaN or not > 0: enqueue_request, submit and
+    enqueue_many refuse it with one message, and enqueue nothing."""
+    message = (
+        r"^unique_for must be > 0 and at most 3153600000\.0 seconds \(100 years\),"
+        r" or math\.inf \(for good\)$"
+    )
+    async with tickler.open_service(recorder()[1]) as service:
+        with pytest.raises(ValueError, match=message):
+            service.enqueue_request(1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=message):
+            service.enqueue_many([1, 2], key=lambda n: n, unique_for=unique_for)
+        with pytest.raises(ValueError, match=message):
+            await service.submit(1, key="k", unique_for=unique_for)
+    assert service.statistics().enqueued == 0
 
 
 # -- enqueue_many

@@ -24,7 +24,7 @@ import tickler
 from tickler._stores import _sql
 from tickler._stores._seam import Batch, BatchResult, Session
 
-from .store_backends import FAST, Backend
+from .store_backends import FAST, Backend, owner_id
 from .test_store_contract import BACKENDS
 
 Limit = tuple[int | None, int | None, float]
@@ -52,7 +52,7 @@ def session(store: Any) -> Iterator[Session]:
 
 
 def run(session: Session, batch: Batch, *, owner: str = "me", lease: float = 30.0) -> Any:
-    return session.run("jobs", owner, lease, 86400.0, batch)
+    return session.run("jobs", owner_id(owner), lease, 86400.0, batch)
 
 
 def entry(
@@ -779,7 +779,7 @@ def check_migrated(store: Any) -> None:
     try:
         result = session.run(
             "jobs",
-            "me",
+            owner_id("me"),
             30.0,
             86400.0,
             Batch(

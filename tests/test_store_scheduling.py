@@ -24,7 +24,7 @@ import trio
 import tickler
 from tickler._stores._seam import Batch, BatchResult, Session
 
-from .store_backends import FAST, Backend
+from .store_backends import FAST, Backend, owner_id
 from .test_store_contract import BACKENDS, double
 
 
@@ -50,7 +50,7 @@ def session(store: Any) -> Iterator[Session]:
 
 
 def run(session: Session, batch: Batch, *, owner: str = "me", retention: float = 86400.0) -> Any:
-    return session.run("jobs", owner, 30.0, retention, batch)
+    return session.run("jobs", owner_id(owner), 30.0, retention, batch)
 
 
 def entry(
@@ -285,7 +285,7 @@ def test_a_paused_queue_claims_nothing_and_resumes(backend: Backend, store: Any)
         )
         assert run(b, Batch(claim=5), owner="other").claimed == []
         # Another queue of the store is not paused.
-        assert b.run("other", "me", 30.0, 86400.0, Batch(claim=1)).paused is False
+        assert b.run("other", owner_id("me"), 30.0, 86400.0, Batch(claim=1)).paused is False
         resumed = run(b, Batch(pause=False, claim=5), owner="other")
         assert not resumed.paused
         assert claimed(resumed) == [b"1", b"2", b"3"]
@@ -430,7 +430,7 @@ def test_a_tick_to_catch_up_with_enqueues_only_after_one_was_recorded(
 
 def test_ticks_are_a_queues_own(session: Session) -> None:
     assert run(session, Batch(ticks=[tick("t", 100.0)])).ticked[0] > 0
-    other = session.run("other", "me", 30.0, 86400.0, Batch(ticks=[tick("t", 100.0)]))
+    other = session.run("other", owner_id("me"), 30.0, 86400.0, Batch(ticks=[tick("t", 100.0)]))
     assert other.ticked[0] > 0
 
 
@@ -603,6 +603,49 @@ async def test_a_delay_past_100_years_is_refused_on_every_enqueue_path(
         assert row.run_at == pytest.approx(time.time() + 3153600000.0, abs=60)
 
 
+UNIQUE_FOR = (
+    r"^unique_for must be > 0 and at most 3153600000\.0 seconds \(100 years\),"
+    r" or math\.inf \(for good\)$"
+)
+NO_KEY = r"^unique_for needs a key: it says how long the key stays taken$"
+
+
+@pytest.mark.parametrize("unique_for", [3153600000.001, 1e300, math.nan, -math.inf, 0, -1])
+async def test_a_unique_for_out_of_range_is_refused_alike_on_every_enqueue_path(
+    backend: Backend, store: Any, unique_for: float
+) -> None:
+    """A hold past 100 years (but math.inf), NaN or not > 0 is refused with one message on
+    every path that takes it, before anything is written; so is a hold without a key."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            store.enqueue_in(connection, "jobs", 1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            store.enqueue_many_in(
+                connection, "jobs", [1, 2], key=lambda n: n, unique_for=unique_for
+            )
+        with pytest.raises(ValueError, match=NO_KEY):
+            store.enqueue_in(connection, "jobs", 1, unique_for=60)
+        with pytest.raises(ValueError, match=NO_KEY):
+            store.enqueue_many_in(connection, "jobs", [1, 2], unique_for=60)
+        connection.commit()
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as service:
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            service.enqueue_request(1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            service.enqueue_many([1, 2], key=lambda n: n, unique_for=unique_for)
+        with pytest.raises(ValueError, match=UNIQUE_FOR):
+            await service.submit(1, key="k", unique_for=unique_for)
+        with pytest.raises(ValueError, match=NO_KEY):
+            service.enqueue_many([1, 2], unique_for=60)
+    assert backend.rows() == []
+    # 100 years, and math.inf (for good), are kept.
+    with backend.connect(autocommit=False) as connection:
+        store.enqueue_in(connection, "jobs", 1, key="a", unique_for=3153600000.0)
+        store.enqueue_many_in(connection, "jobs", [2], key=lambda n: "b", unique_for=math.inf)
+        connection.commit()
+    assert len(backend.rows()) == 2
+
+
 def test_enqueue_many_in_refuses_a_key_that_is_not_callable_and_bad_requests_first(
     backend: Backend, store: Any
 ) -> None:
@@ -642,7 +685,7 @@ def test_the_postgres_claim_reads_the_claim_index(postgres_dsn: str, postgres_sc
         connection.execute(f"ANALYZE {table}")
         connection.execute(f'SET search_path TO "{postgres_schema}"')
         params = {
-            "owner": "me",
+            "owner": owner_id("me"),
             "lease_until": 2e9,
             "now": 1e9,
             "queue": "jobs",
@@ -710,7 +753,7 @@ def check_migrated(store: Any, version: Callable[[], int], latest: int) -> None:
     try:
         result = session.run(
             "jobs",
-            "me",
+            owner_id("me"),
             30.0,
             86400.0,
             Batch(inserts=[entry(b"3", priority=1), entry(b"4", key='"k"')], claim=10, pause=False),
@@ -719,7 +762,9 @@ def check_migrated(store: Any, version: Callable[[], int], latest: int) -> None:
         assert claimed(result) == [b"3", b"1", b"2"]
         assert [row[6] for row in result.claimed] == [1, 0, 0]
         assert session.statistics("jobs")["paused"] == 0
-        assert session.run("jobs", "me", 30.0, 86400.0, Batch(ticks=[tick("t", 1.0)])).ticked[0]
+        assert session.run(
+            "jobs", owner_id("me"), 30.0, 86400.0, Batch(ticks=[tick("t", 1.0)])
+        ).ticked[0]
     finally:
         session.close()
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.test_web import filled
 
@@ -28,7 +29,8 @@ def test_serve_binds_to_this_machine_only(tmp_path: Path) -> None:
     store = filled(tmp_path / "queue.db")
     code = (
         "import tickler.web; tickler.web.serve("
-        f"'sqlite:///{store.path}', port=0, read_only=True, basic_auth=('ops', 'pw'))"
+        f"'sqlite:///{store.path}', port=0, read_only=True, basic_auth=('ops', 'pw'),"
+        " allowed_hosts=['ops.example.com'])"
     )
     server = subprocess.Popen(  # noqa: S603 - our own interpreter
         [sys.executable, "-c", code], stderr=subprocess.PIPE, text=True
@@ -41,6 +43,12 @@ def test_serve_binds_to_this_machine_only(tmp_path: Path) -> None:
         assert page.status_code == 200
         assert 'data-queue="mail"' in page.text
         assert 'name="action"' not in page.text
+        # A name given in allowed_hosts is answered; any other is not (DNS rebinding).
+        named = httpx.get(url + "/", auth=("ops", "pw"), headers={"Host": "ops.example.com"})
+        assert named.status_code == 200
+        assert 'data-queue="mail"' in named.text
+        other = httpx.get(url + "/", auth=("ops", "pw"), headers={"Host": "evil.example.com"})
+        assert other.status_code == 400
     finally:
         server.terminate()
         server.wait()
@@ -73,14 +81,26 @@ def test_the_command_line_serves_a_postgres_schema_of_its_choice(
             "--port",
             "0",
             "--read-only",
+            "--allowed-host",
+            "ops.example.com",
+            "--allowed-host",
+            "*.corp.example",
         ],
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        page = httpx.get(running_on(server) + "/", timeout=30)
+        url = running_on(server)
+        page = httpx.get(url + "/", timeout=30)
         assert page.status_code == 200
         assert 'data-queue="mail"' in page.text
+        # Each --allowed-host is answered to; any other name is refused.
+        for host in ("ops.example.com", "a.corp.example"):
+            named = httpx.get(url + "/", headers={"Host": host}, timeout=30)
+            assert named.status_code == 200, host
+            assert 'data-queue="mail"' in named.text
+        other = httpx.get(url + "/", headers={"Host": "evil.example.com"}, timeout=30)
+        assert other.status_code == 400
     finally:
         server.terminate()
         server.wait()
@@ -88,3 +108,15 @@ def test_the_command_line_serves_a_postgres_schema_of_its_choice(
         server.stderr.close()
     # The default schema ("tickler") is not this one.
     assert postgres_schema != "tickler"
+
+
+def test_serve_checks_allowed_hosts_before_it_opens_the_store(tmp_path: Path) -> None:
+    """A malformed allowed_hosts is refused, naming it, before any file is created."""
+    import tickler.web
+
+    path = tmp_path / "never.db"
+    with pytest.raises(ValueError, match=r"^allowed_hosts: 'ops.example.com:80' is not a host"):
+        tickler.web.serve(f"sqlite:///{path}", port=0, allowed_hosts=["ops.example.com:80"])
+    with pytest.raises(TypeError, match=r"^allowed_hosts must be a list \(or tuple\) of host"):
+        tickler.web.serve(f"sqlite:///{path}", port=0, allowed_hosts="ops.example.com")  # type: ignore[arg-type]
+    assert not path.exists()

@@ -299,6 +299,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="USER:PASSWORD",
         help="require HTTP Basic auth (or set TICKLER_WEB_BASIC_AUTH=USER:PASSWORD)",
     )
+    web.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        dest="allowed_hosts",
+        help="a host name (no port) the dashboard answers to besides this machine's own"
+        " ('*.example.com' for its subdomains); repeat it for more",
+    )
     return parser
 
 
@@ -363,6 +372,7 @@ def _web(args: argparse.Namespace) -> int:
             port=args.port,
             read_only=args.read_only,
             basic_auth=basic_auth,
+            allowed_hosts=args.allowed_hosts,
         )
     return 0
 

@@ -100,14 +100,23 @@ def check_priority(value: object) -> int:
 
 
 def check_unique_for(value: object, key: object) -> float | None:
-    """How long a key stays taken, checked: None, or seconds > 0 (math.inf: for good)."""
+    """How long a key stays taken, checked: None, or seconds > 0 and at most MAX_DELAY,
+    or math.inf (for as long as the request is kept).
+
+    The one rule for every enqueue that takes it (enqueue_request, submit,
+    enqueue_many, the stores' enqueue_in and enqueue_many_in); ``key`` is the key
+    (or the callable giving each request's), which a hold needs.
+    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         kind = type(value).__name__
         raise TypeError(f"unique_for must be a number of seconds or None, not {kind}")
-    if not value > 0:
-        raise ValueError("unique_for must be > 0")
+    if not (0 < value <= MAX_DELAY or value == math.inf):  # NaN too
+        raise ValueError(
+            f"unique_for must be > 0 and at most {MAX_DELAY} seconds (100 years),"
+            " or math.inf (for good)"
+        )
     if key is None:
         raise ValueError("unique_for needs a key: it says how long the key stays taken")
     return float(value)

@@ -1192,7 +1192,7 @@ Args:
         in the order they became ready (enqueued, or fell due). Strict:
         a steady stream of higher priorities holds lower ones back. A
         retry keeps its priority.
-    unique_for: seconds (> 0, ``math.inf`` allowed) for which ``key``
+    unique_for: seconds (> 0 and at most 100 years, or ``math.inf``) for which ``key``
         stays taken after the request was enqueued, whatever its state:
         a duplicate gets the original's ticket, even once it is final.
         Needs ``key``.
@@ -1205,7 +1205,8 @@ Raises:
     ServiceClosed: a stop has begun or the run has ended.
     TypeError, ValueError: ``key`` is not hashable, ``delay`` is not a
         finite number >= 0, ``priority`` not an int in the 32-bit signed
-        range, or ``unique_for`` not a number > 0 or given without ``key``.
+        range, or ``unique_for`` not a number > 0 and at most 100 years
+        (or ``math.inf``), or given without ``key``.
 """
 _Engine.enqueue_request.__doc__ = _ENQUEUE_REQUEST_DOC
 _Engine.enqueue_request.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

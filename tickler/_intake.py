@@ -282,8 +282,6 @@ class Intake:
             )
         priority = check_priority(priority)
         group = check_group(group)
-        if unique_for is not None and key is None:
-            raise ValueError("unique_for needs a key: it says how long each key stays taken")
         unique_for = check_unique_for(unique_for, key)
         if delay is not None:
             delay = _check_delay(delay)

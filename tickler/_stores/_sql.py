@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import attrs
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
-from .._core import _check_delay
+from .._core import _check_delay, check_unique_for
 from .._exceptions import StoreError
 from ._seam import Batch, BatchResult, Claimed, Row
 
@@ -803,17 +803,6 @@ def check_priority(priority: object) -> int:
     return priority
 
 
-def check_unique_for(unique_for: object) -> float | None:
-    """A hold, checked: None, or seconds > 0 (math.inf allowed)."""
-    if unique_for is None:
-        return None
-    if isinstance(unique_for, bool) or not isinstance(unique_for, int | float):
-        raise TypeError("unique_for must be None or a number of seconds")
-    if not unique_for > 0:  # (NaN too)
-        raise ValueError("unique_for must be > 0 (math.inf: for ever)")
-    return float(unique_for)
-
-
 def prepare_enqueue(
     codecs: dict[str, Codec],
     queue: str,
@@ -833,12 +822,10 @@ def prepare_enqueue(
         raise TypeError("queue must be a str")
     check_queue_name(queue, "queue")
     checked_priority = check_priority(priority)
-    hold = check_unique_for(unique_for)
+    hold = check_unique_for(unique_for, key)
     checked_group = check_group(group)
     if key is not None and not callable(key):
         raise TypeError("key must be None or a callable giving each request's key")
-    if hold is not None and key is None:
-        raise ValueError("unique_for holds a key: give a key too")
     state, wait = "queued", 0.0
     if delay is not None:
         wait = _check_delay(delay)

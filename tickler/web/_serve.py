@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from ._app import BasicAuth, app
+from ._app import BasicAuth, _allowed_hosts, app
 
 logger = logging.getLogger("tickler")
 
@@ -20,6 +20,7 @@ def serve(
     port: int = 8000,
     read_only: bool = False,
     basic_auth: tuple[str, str] | None = None,
+    allowed_hosts: list[str] | tuple[str, ...] = (),
 ) -> None:
     """Serve the dashboard of the store at ``url`` until interrupted (Ctrl-C or SIGTERM).
 
@@ -32,6 +33,9 @@ def serve(
         port: the TCP port; 0 picks a free one.
         read_only: show no actions and refuse them.
         basic_auth: ``(user, password)`` to require HTTP Basic authentication.
+        allowed_hosts: the host names (no port) the dashboard answers to besides this
+            machine's own and the address each connection came in on, as :func:`app`
+            takes them: a request with any other ``Host`` is refused with 400.
 
     Raises:
         TypeError, ValueError: a parameter breaks its rule (the message names it).
@@ -51,6 +55,8 @@ def serve(
         if not isinstance(basic_auth, tuple) or len(basic_auth) != 2:
             raise TypeError("basic_auth must be a (user, password) pair of str")
         auth = BasicAuth(*basic_auth)
+    # Checked before the store is opened, as every other parameter.
+    _allowed_hosts(allowed_hosts)
     import hypercorn.trio
     from hypercorn.config import Config
 
@@ -68,5 +74,5 @@ def serve(
         " (read-only)" if read_only else "",
     )
     # Starlette's and Hypercorn's ASGI types differ in their spelling only.
-    application: Any = app(store, read_only=read_only, auth=auth)
+    application: Any = app(store, read_only=read_only, auth=auth, allowed_hosts=allowed_hosts)
     trio.run(hypercorn.trio.serve, application, config)
