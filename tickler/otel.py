@@ -286,23 +286,26 @@ class _Unsampled(NonRecordingSpan):
     start a new one: a child of ``parent`` (in its trace), or without one, a new trace.
     Its span context, with its new ids, is made once something asks for it."""
 
-    def __init__(self, ids: Any, parent: SpanContext | None) -> None:
-        self._ids = ids
-        self._parent = parent
-        self._context: SpanContext | None = None  # type: ignore[assignment]
+    # (Made with object.__new__, its fields set where it is made: no frame of __init__.)
+    _ids: Any
+    _parent: SpanContext | None = None
+    _context: SpanContext | None = None  # type: ignore[assignment]
 
     def get_span_context(self) -> SpanContext:
         made = self._context
         if made is None:
-            ids, parent = self._ids, self._parent
-            if parent is not None:
-                trace_id, state = parent.trace_id, parent.trace_state
-            else:
-                trace_id, state = ids.generate_trace_id(), _NO_TRACE_STATE
-            made = self._context = SpanContext(
-                trace_id, ids.generate_span_id(), False, _NOT_SAMPLED, state
-            )
+            made = self._context = _dropped_child(self._ids, self._parent)
         return made
+
+
+def _dropped_child(ids: Any, parent: SpanContext | None) -> SpanContext:
+    """The span context the SDK's tracer gives a span its sampler drops: in ``parent``'s
+    trace, with its trace state, or without one in a new trace; not sampled."""
+    if parent is not None:
+        trace_id, state = parent.trace_id, parent.trace_state
+    else:
+        trace_id, state = ids.generate_trace_id(), _NO_TRACE_STATE
+    return SpanContext(trace_id, ids.generate_span_id(), False, _NOT_SAMPLED, state)
 
     def __repr__(self) -> str:
         return f"NonRecordingSpan({self.get_span_context()!r})"
@@ -412,6 +415,13 @@ class _Tracing:
         if self.noop:
             # What the no-op tracer's span would carry: the span context current here.
             span_context = current
+        elif self.drops_all:
+            # serves: otel_drop_roots with a store: the span context the sampler's known
+            # decision gives, for the rows, with no span started
+            span_context = _dropped_child(
+                self.tracer.id_generator,  # type: ignore[attr-defined]  # the SDK's tracer
+                current if current.is_valid else None,
+            )
         else:
             span = self.tracer.start_span(
                 f"send {self.queue}", kind=SpanKind.PRODUCER, attributes=self.send_attributes
@@ -495,6 +505,7 @@ class _Tracing:
         get_current, attach, detach = _runtime()
         carries = self.carries
         ids = self.tracer.id_generator  # type: ignore[attr-defined]  # the SDK's tracer
+        new_span = object.__new__
 
         def unsampled(request: Any) -> Awaitable[Any]:
             context = get_current()
@@ -510,7 +521,10 @@ class _Tracing:
                 current = self.not_carried_span_context
             else:
                 current = trace.get_current_span(context).get_span_context()
-            span = _Unsampled(ids, current if current.is_valid else None)
+            span = new_span(_Unsampled)  # serves: otel_drop_roots
+            span._ids = ids
+            if current.is_valid:
+                span._parent = current
             if context:
                 context = trace.set_span_in_context(span, context)
             else:  # serves: otel_drop_roots
