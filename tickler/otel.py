@@ -33,10 +33,14 @@ no-op tracer provider, no span is started at all: in memory a handler runs
 in its enqueuer's context, which holds the span context that provider would
 carry on, and tracing costs nothing per request; with a store, an enqueue
 notes the span context current where it was called, for its row. A child of
-a span that was not sampled here (an enqueue under a dropped trace, an
-attempt of an enqueue that was not sampled) is not sampled either, as the
-SDK's default (parent-based) sampler decides, without starting a span: it
-carries that span context on.
+a span that was not sampled (an enqueue under a dropped trace, an attempt
+of an enqueue that was not sampled, here or through its row) is not sampled
+either, without starting a span, where the sampler's decision is known
+without asking it (the SDK's parent-based samplers with ALWAYS_OFF for such
+a parent, as its default sampler has, or one that drops every span): it
+carries that span context on. The decision is kept per OpenTelemetry
+Context, compared by identity (the requests of one enqueuer share one). A
+sampler of the application's own is asked, span by span.
 """
 
 from __future__ import annotations
