@@ -351,9 +351,9 @@ class _Tracing:
         # one found that is not. Contexts are compared by identity: the requests of one
         # enqueuer, a web request's say, share the very same Context.
         self.carried: object = None
-        self.carried_span_context: SpanContext = INVALID_SPAN_CONTEXT
+        self.carried_pair: tuple[object, SpanContext] = (None, INVALID_SPAN_CONTEXT)
         self.not_carried: object = None
-        self.not_carried_span_context: SpanContext = INVALID_SPAN_CONTEXT
+        self.not_carried_pair: tuple[object, SpanContext] = (None, INVALID_SPAN_CONTEXT)
         # The last span context made into a traceparent, and the last traceparent read
         # back into a span context (a local one: its children are dropped), with theirs.
         self.written: tuple[SpanContext, tuple[str, str]] | None = None
@@ -387,7 +387,7 @@ class _Tracing:
         that was not sampled, whose children the sampler drops (known without asking it).
 
         Then an enqueue, or an attempt, under it is not sampled either, and no span is
-        started: it carries that span context on (``carried_span_context``, once true).
+        started: it carries that span context on (``carried_pair``'s, once true).
         """
         if context is self.carried:  # serves: otel_drop, otel_drop_parent
             return True
@@ -395,9 +395,12 @@ class _Tracing:
             return False
         current = trace.get_current_span(context).get_span_context()  # type: ignore[arg-type]
         if current.is_valid and not (current.trace_flags.sampled or current.is_remote):
-            self.carried, self.carried_span_context = context, current
+            # (The pair first: a thread that finds carried finds its span context beside it.)
+            self.carried_pair = (context, current)
+            self.carried = context
             return True
-        self.not_carried, self.not_carried_span_context = context, current
+        self.not_carried_pair = (context, current)
+        self.not_carried = context
         return False
 
     def enqueued(self, tickets: Sequence[Ticket[Any, Any]]) -> None:
@@ -411,7 +414,9 @@ class _Tracing:
             # memory, each attempt runs in its enqueuer's context, under that span: nothing
             # is kept (see wrap); a store's row carries its span context.
             if self.stored:
-                span_context = self.carried_span_context
+                carried, span_context = self.carried_pair
+                if carried is not context:  # (another thread's found meanwhile)
+                    span_context = trace.get_current_span(context).get_span_context()
                 for ticket in tickets:
                     self.parents[ticket] = span_context
             return
@@ -521,9 +526,8 @@ class _Tracing:
 
         async def in_new_span(request: Any, context: Any) -> Any:
             # serves: otel_drop_roots: its span context is made if it is asked for
-            if context is self.not_carried:  # (carries() just read it)
-                current = self.not_carried_span_context
-            else:
+            found, current = self.not_carried_pair  # (carries() just read it)
+            if found is not context:
                 current = trace.get_current_span(context).get_span_context()
             span = new_span(_Unsampled)  # serves: otel_drop_roots
             span._ids = ids
