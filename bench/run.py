@@ -220,8 +220,11 @@ def _instrument(
     service: tickler.Service[Any, None], tracing: str
 ) -> contextlib.AbstractContextManager[object]:
     """Trace ``service``: "noop" (the API's no-op provider), "drop" and "drop_roots" (the SDK,
-    with a sampler that drops every trace), "sdk" (no exporter), "memory" (an in-memory
-    exporter). Returns the scope to enqueue in: for "drop", a span of a dropped trace."""
+    with a sampler that drops every trace), "drop_parent" (the SDK's default sampler,
+    ParentBased(ALWAYS_ON), under a span whose trace an upstream caller did not sample),
+    "sdk" (no exporter), "memory" (an in-memory exporter). Returns the scope to enqueue
+    in: for "drop" and "drop_parent", a span of a dropped trace."""
+    from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -242,11 +245,20 @@ def _instrument(
     tickler.otel.instrument(service, tracer_provider=provider)
     if tracing == "drop":
         return provider.get_tracer("app").start_as_current_span("burst")  # type: ignore[no-any-return]
+    if tracing == "drop_parent":
+        # As a web framework's server span is, under an incoming traceparent ending -00.
+        upstream = trace.NonRecordingSpan(
+            trace.SpanContext(0x5CE4E, 0xCA11E4, is_remote=True, trace_flags=trace.TraceFlags(0))
+        )
+        context = trace.set_span_in_context(upstream)
+        return provider.get_tracer("app").start_as_current_span("burst", context=context)  # type: ignore[no-any-return]
     return contextlib.nullcontext()
 
 
-async def burst_sqlite(n: int, concurrency: int) -> float:
-    """Seconds from the first enqueue to the last completion committed, SqliteStore FULL."""
+async def burst_sqlite(n: int, concurrency: int, tracing: str | None = None) -> float:
+    """Seconds from the first enqueue to the last completion committed, SqliteStore FULL.
+
+    With tracing, the service is traced as _instrument says, and enqueued in its scope."""
     with tempfile.TemporaryDirectory() as directory:
         store = tickler.SqliteStore(Path(directory) / "queue.db", synchronous="FULL")
         service = tickler.Service(
@@ -256,12 +268,16 @@ async def burst_sqlite(n: int, concurrency: int) -> float:
             store=store,
             name="bench",
         )
+        scope: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if tracing is not None:
+            scope = _instrument(service, tracing)
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             enqueue = service.enqueue_request
             start = time.perf_counter()
-            for i in range(n):
-                enqueue(i)
+            with scope:
+                for i in range(n):
+                    enqueue(i)
             await service.join()  # nothing of the queue is live in the store
             elapsed = time.perf_counter() - start
             await service.stop()
@@ -788,6 +804,18 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
             [],
             "req/s",
             "tickler",
+            ("ratio", ">=", 0.8),
+        ),
+        # The SDK's default sampler (ParentBased(ALWAYS_ON)), enqueued under a span whose
+        # trace an upstream caller did not sample: its children are dropped.
+        "otel_drop_parent": Row(
+            "otel_drop_parent",
+            "burst",
+            "tickler, traced: SDK, default sampler, enqueued under a dropped parent",
+            [],
+            "req/s",
+            "tickler",
+            ("ratio", ">=", 0.8),
         ),
         "otel_sdk": Row(
             "otel_sdk", "burst", "tickler, traced: SDK, no exporter", [], "req/s", "tickler"
@@ -965,7 +993,7 @@ def run(config: Config, out: Callable[[str], object] = print) -> list[Row]:
         timed = in_context(False, trio.run, burst_tickler, n, c, False, False)[0]
         sample("no_histograms", n / timed)
         if has_otel():
-            for tracing in ("noop", "drop", "drop_roots", "sdk", "memory"):
+            for tracing in ("noop", "drop", "drop_roots", "drop_parent", "sdk", "memory"):
                 args = (n, c, False, None, False, 0, tracing)
                 timed = in_context(False, trio.run, burst_tickler, *args)[0]
                 sample(f"otel_{tracing}", n / timed)

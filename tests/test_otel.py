@@ -594,3 +594,110 @@ async def test_a_sampler_that_drops_every_span_starts_none_in_memory(
     for i in range(3, 6):
         assert seen[i].is_valid, seen[i]
         assert not seen[i].trace_flags.sampled, seen[i]
+
+
+class SamplesEverything:
+    """A sampler of the application's own (not one of the SDK's): it samples every span,
+    whatever its parent, and counts how often it is asked."""
+
+    def __new__(cls) -> Any:
+        from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+        class Counting(Sampler):
+            asked = 0
+
+            def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+                Counting.asked += 1
+                return SamplingResult(Decision.RECORD_AND_SAMPLE)
+
+            def get_description(self) -> str:
+                return "SamplesEverything"
+
+        return Counting()
+
+
+def dropped_web_span(web_provider: TracerProvider) -> Any:
+    """A web request's span under an upstream traceparent that was not sampled (…-00)."""
+    from opentelemetry import trace
+
+    upstream = trace.NonRecordingSpan(
+        trace.SpanContext(0x5CE4E, 0xCA11E4, is_remote=True, trace_flags=trace.TraceFlags(0))
+    )
+    return web_provider.get_tracer("web").start_as_current_span(
+        "GET /", context=trace.set_span_in_context(upstream)
+    )
+
+
+async def test_a_sampler_of_the_application_decides_the_children_of_a_dropped_trace(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Only the SDK's own samplers' decisions are known without asking them: this one samples
+    # the enqueue and the attempt of a request enqueued under a dropped trace's span.
+    exporter = InMemorySpanExporter()
+    sampler = SamplesEverything()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def handler(request: int) -> None:
+        await trio.sleep(0)
+
+    async with tickler.open_service(handler, name="mail") as service:
+        instrument(service, tracer_provider=provider)
+        with dropped_web_span(TracerProvider()) as web:
+            assert not web.get_span_context().trace_flags.sampled
+            ticket = service.enqueue_request(1)
+        await ticket.wait()
+    (enqueue,) = named(exporter, "send mail")
+    (attempt,) = attempts_of(exporter, ticket.id)
+    assert parent_id(enqueue) == web.get_span_context().span_id
+    assert parent_id(attempt) == enqueue.context.span_id
+    assert type(sampler).asked == 2
+
+
+@pytest.mark.parametrize("where", ["memory", "sqlite"])
+async def test_a_dropped_trace_starts_no_span_per_request_under_the_default_sampler(
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    where: str,
+) -> None:
+    # The SDK's default sampler, ParentBased(ALWAYS_ON): a child of a parent that was not
+    # sampled, local or (through a row's traceparent) remote, is dropped, as it decides.
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import Tracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    started = 0
+    start_span = Tracer.start_span
+
+    def counted(self: Tracer, *args: Any, **kwargs: Any) -> Any:
+        nonlocal started
+        started += 1
+        return start_span(self, *args, **kwargs)
+
+    seen: list[trace.SpanContext] = []
+
+    async def handler(request: int) -> int:
+        seen.append(trace.get_current_span().get_span_context())
+        return request
+
+    store = tickler.SqliteStore(tmp_path / "q.db", **FAST) if where == "sqlite" else None
+    async with tickler.open_service(handler, name="mail", store=store) as service:
+        instrument(service, tracer_provider=provider)
+        with dropped_web_span(provider) as web:
+            monkeypatch.setattr(Tracer, "start_span", counted)
+            tickets = [service.enqueue_request(i) for i in range(5)]
+        assert [await ticket.wait() for ticket in tickets] == list(range(5))
+        monkeypatch.undo()
+    # Store batches may make spans of their own (not part of any request's trace).
+    assert not [span for span in exporter.get_finished_spans() if span.name != "exchange mail"]
+    requests = started - len(named(exporter, "exchange "))
+    assert requests == 0, f"{requests} spans started for the requests of a dropped trace"
+    web_context = web.get_span_context()
+    for context in seen:  # each attempt runs under the web span's context, not sampled
+        assert context.is_valid
+        assert not context.is_remote
+        assert not context.trace_flags.sampled
+        assert (context.trace_id, context.span_id) == (web_context.trace_id, web_context.span_id)

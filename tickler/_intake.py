@@ -84,13 +84,19 @@ class Intake:
         with engine._lock:
             queue = engine._queue
             length = len(queue)
-            self.check_open()
-            self.check_room(length)
+            # serves: otel_drop_parent (each traced enqueue comes this way): no call to ask
+            # what the engine's own fields answer
+            if engine._closed:
+                self.check_open()
+            if engine.max_queue_length is not None:
+                self.check_room(length)
             if ticket.enqueued_at is None:
                 ticket.enqueued_at = engine._time()  # the run may have started meanwhile
             engine._last_id = ticket.id = engine._last_id + 1
             queue.append(ticket)
-            if engine._thread == _get_ident():
+            if engine._wakeup_pending:
+                pass  # (the loop has yet to take the lock, and will find this request)
+            elif engine._thread == _get_ident():
                 engine._tickle()
             else:
                 engine._wake_from_thread()

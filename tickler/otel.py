@@ -33,14 +33,19 @@ no-op tracer provider, no span is started at all: in memory a handler runs
 in its enqueuer's context, which holds the span context that provider would
 carry on, and tracing costs nothing per request; with a store, an enqueue
 notes the span context current where it was called, for its row. A child of
-a span that was not sampled here (an enqueue under a dropped trace, an
-attempt of an enqueue that was not sampled) is not sampled either, as the
-SDK's default (parent-based) sampler decides, without starting a span: it
-carries that span context on.
+a span that was not sampled (an enqueue under a dropped trace, an attempt
+of an enqueue that was not sampled, here or through its row) is not sampled
+either, without starting a span, where the sampler's decision is known
+without asking it (the SDK's parent-based samplers with ALWAYS_OFF for such
+a parent, as its default sampler has, or one that drops every span): it
+carries that span context on. The decision is kept per OpenTelemetry
+Context, compared by identity (the requests of one enqueuer share one). A
+sampler of the application's own is asked, span by span.
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -51,6 +56,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import (
     INVALID_SPAN,
+    INVALID_SPAN_CONTEXT,
     NonRecordingSpan,
     Span,
     SpanContext,
@@ -226,6 +232,21 @@ def _records_nothing(tracer: trace.Tracer) -> bool:
     return _drops_all(sampling, getattr(tracer, "sampler", None))
 
 
+def _drops_unsampled_children(tracer: trace.Tracer, remote: bool) -> bool:
+    """Whether ``tracer`` is the SDK's, with a sampler known to drop every child of a parent
+    that was not sampled (a local one, or with ``remote`` a remote one): one that drops every
+    span, or a parent-based one whose sampler for such a parent does (ALWAYS_OFF, as the
+    SDK's default sampler has). A sampler the SDK does not define is asked, span by span."""
+    sampling = sys.modules.get("opentelemetry.sdk.trace.sampling")
+    if sampling is None:  # the SDK is not imported: the tracer is not the SDK's
+        return False
+    sampler = getattr(tracer, "sampler", None)
+    if type(sampler) in (sampling.ParentBased, sampling.ParentBasedTraceIdRatio):
+        name = "_remote_parent_not_sampled" if remote else "_local_parent_not_sampled"
+        return _drops_all(sampling, getattr(sampler, name))
+    return _drops_all(sampling, sampler)
+
+
 def _drops_all(sampling: Any, sampler: object) -> bool:
     kind = type(sampler)
     if kind is sampling.StaticSampler:
@@ -244,6 +265,54 @@ def _drops_all(sampling: Any, sampler: object) -> bool:
             )
         )
     return False
+
+
+def _runtime() -> tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], object]]:
+    """OpenTelemetry's get_current, attach and detach; with the default runtime context, the
+    methods of its context variable themselves (what those call, without two frames each).
+    """
+    # serves: otel_drop_roots, otel_drop
+    variable = getattr(getattr(otel_context, "_RUNTIME_CONTEXT", None), "_current_context", None)
+    if type(variable) is contextvars.ContextVar:
+        return variable.get, variable.set, variable.reset
+    return otel_context.get_current, otel_context.attach, otel_context.detach
+
+
+_get_current = _runtime()[0]
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+# The key of the current span in an OpenTelemetry Context (the one set_span_in_context sets).
+(_SPAN_KEY,) = trace.set_span_in_context(INVALID_SPAN, otel_context.Context())
+_NO_TRACE_STATE = TraceState()
+
+
+class _Unsampled(NonRecordingSpan):
+    """The span an attempt that the sampler drops runs under, when the SDK's tracer would
+    start a new one: a child of ``parent`` (in its trace), or without one, a new trace.
+    Its span context, with its new ids, is made once something asks for it."""
+
+    # (Made with object.__new__, its fields set where it is made: no frame of __init__.)
+    _ids: Any
+    _parent: SpanContext | None = None
+    _context: SpanContext | None = None  # type: ignore[assignment]
+
+    def get_span_context(self) -> SpanContext:
+        made = self._context
+        if made is None:
+            made = self._context = _dropped_child(self._ids, self._parent)
+        return made
+
+
+def _dropped_child(ids: Any, parent: SpanContext | None) -> SpanContext:
+    """The span context the SDK's tracer gives a span its sampler drops: in ``parent``'s
+    trace, with its trace state, or without one in a new trace; not sampled."""
+    if parent is not None:
+        trace_id, state = parent.trace_id, parent.trace_state
+    else:
+        trace_id, state = ids.generate_trace_id(), _NO_TRACE_STATE
+    return SpanContext(trace_id, ids.generate_span_id(), False, _NOT_SAMPLED, state)
+
+    def __repr__(self) -> str:
+        return f"NonRecordingSpan({self.get_span_context()!r})"
 
 
 class _Tracing:
@@ -270,7 +339,26 @@ class _Tracing:
         # enqueues take the engine's fast path, and the handler is not wrapped). Nor under a
         # sampler that drops every span: the handler's wrapper (see unsampled) reads the
         # enqueuer's span context from that context, at the attempt, and records nothing.
-        self.per_request = not ((self.noop or self.drops_all) and service._store_run is None)
+        self.stored = service._store_run is not None
+        self.per_request = not ((self.noop or self.drops_all) and not self.stored)
+        # Whether the sampler is known to drop every child of a parent that was not sampled,
+        # a local one and a remote one (the SDK's default sampler does): then such a child
+        # is dropped without asking it, and no span is started (see carries).
+        self.drops_local = self.drops_all or _drops_unsampled_children(tracer, remote=False)
+        self.drops_remote = self.drops_all or _drops_unsampled_children(tracer, remote=True)
+        # The last OpenTelemetry Context found whose current span is a local one that was
+        # not sampled, whose children are dropped (its span context beside it); and the last
+        # one found that is not. Contexts are compared by identity: the requests of one
+        # enqueuer, a web request's say, share the very same Context.
+        self.carried: object = None
+        self.carried_pair: tuple[object, SpanContext] = (None, INVALID_SPAN_CONTEXT)
+        self.not_carried: object = None
+        self.not_carried_pair: tuple[object, SpanContext] = (None, INVALID_SPAN_CONTEXT)
+        # The last span context made into a traceparent, and the last traceparent read
+        # back into a span context (a local one: its children are dropped), with theirs.
+        self.written: tuple[SpanContext, tuple[str, str]] | None = None
+        self.read: tuple[str, str | None, SpanContext | None] | None = None
+        self.twin: tuple[SpanContext | None, SpanContext] = (None, INVALID_SPAN_CONTEXT)
         # The attributes every span of a kind has, made once: a span that does not record
         # gets these alone (a sampler sees them), and builds nothing.
         self.send_attributes = self._attributes("enqueue", "send")
@@ -294,15 +382,55 @@ class _Tracing:
 
     # -- enqueues
 
+    def carries(self, context: object) -> bool:
+        """Whether the current span of ``context`` (an OpenTelemetry Context) is a local one
+        that was not sampled, whose children the sampler drops (known without asking it).
+
+        Then an enqueue, or an attempt, under it is not sampled either, and no span is
+        started: it carries that span context on (``carried_pair``'s, once true).
+        """
+        if context is self.carried:  # serves: otel_drop, otel_drop_parent
+            return True
+        if context is self.not_carried or not self.drops_local:
+            return False
+        current = trace.get_current_span(context).get_span_context()  # type: ignore[arg-type]
+        if current.is_valid and not (current.trace_flags.sampled or current.is_remote):
+            # (The pair first: a thread that finds carried finds its span context beside it.)
+            self.carried_pair = (context, current)
+            self.carried = context
+            return True
+        self.not_carried_pair = (context, current)
+        self.not_carried = context
+        return False
+
     def enqueued(self, tickets: Sequence[Ticket[Any, Any]]) -> None:
         if not tickets or not self.per_request:
             return
+        context = _get_current()
+        if context is self.carried or (  # serves: otel_drop_parent (carries, inlined)
+            context is not self.not_carried and self.carries(context)
+        ):
+            # The trace was not sampled here: nor is its enqueue (no span is started). In
+            # memory, each attempt runs in its enqueuer's context, under that span: nothing
+            # is kept (see wrap); a store's row carries its span context.
+            if self.stored:
+                carried, span_context = self.carried_pair
+                if carried is not context:  # (another thread's found meanwhile)
+                    span_context = trace.get_current_span(context).get_span_context()
+                for ticket in tickets:
+                    self.parents[ticket] = span_context
+            return
         current = trace.get_current_span().get_span_context()
-        dropped = current.is_valid and not (current.trace_flags.sampled or current.is_remote)
-        if self.noop or dropped:
-            # What the no-op tracer's span would carry: the span context current here. Or
-            # the trace was not sampled here: nor is its enqueue (no span is started).
+        if self.noop:
+            # What the no-op tracer's span would carry: the span context current here.
             span_context = current
+        elif self.drops_all:
+            # serves: otel_drop_roots with a store: the span context the sampler's known
+            # decision gives, for the rows, with no span started
+            span_context = _dropped_child(
+                self.tracer.id_generator,  # type: ignore[attr-defined]  # the SDK's tracer
+                current if current.is_valid else None,
+            )
         else:
             span = self.tracer.start_span(
                 f"send {self.queue}", kind=SpanKind.PRODUCER, attributes=self.send_attributes
@@ -328,7 +456,24 @@ class _Tracing:
     # -- attempts
 
     def wrap(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
-        """The handler, each of whose attempts runs in its attempt span."""
+        """The handler, each of whose attempts runs in its attempt span.
+
+        In memory, an attempt runs in its enqueuer's context: under a span there that was
+        not sampled, whose children are dropped (see carries), it runs as it is, with no
+        span started and no frame of its own: its enqueue made no span either.
+        """
+        get_current = _runtime()[0]
+        stored = self.stored
+        carries = self.carries
+
+        def attempt(request: Any) -> Awaitable[Any]:
+            if not stored:
+                context = get_current()
+                if context is self.carried:  # serves: otel_drop_parent (carries, inlined)
+                    return handler(request)
+                if context is not self.not_carried and carries(context):
+                    return handler(request)
+            return traced(request)
 
         async def traced(request: Any) -> Any:
             attempt = ATTEMPTS.get(trio.lowlevel.current_task())
@@ -353,7 +498,7 @@ class _Tracing:
             # (With a store, StoreSync.record says how it ended: its result may not encode.)
             return result
 
-        return traced
+        return attempt
 
     def unsampled(
         self, handler: Callable[[Any], Awaitable[Any]]
@@ -366,26 +511,37 @@ class _Tracing:
         under any other (sampled, remote, or none), the attempt runs under a new span
         context that is not sampled, in the enqueuer's trace or, without one, in a new trace.
         """
-        get_current_span = trace.get_current_span
+        get_current, attach, detach = _runtime()
+        carries = self.carries
         ids = self.tracer.id_generator  # type: ignore[attr-defined]  # the SDK's tracer
+        new_span = object.__new__
 
-        async def unsampled(request: Any) -> Any:
-            current = get_current_span().get_span_context()
-            if current.is_valid and not (current.trace_flags.sampled or current.is_remote):
-                return await handler(request)
+        def unsampled(request: Any) -> Awaitable[Any]:
+            context = get_current()
+            if context is self.carried:  # serves: otel_drop (carries, inlined)
+                return handler(request)
+            if context is not self.not_carried and carries(context):
+                return handler(request)
+            return in_new_span(request, context)
+
+        async def in_new_span(request: Any, context: Any) -> Any:
+            # serves: otel_drop_roots: its span context is made if it is asked for
+            found, current = self.not_carried_pair  # (carries() just read it)
+            if found is not context:
+                current = trace.get_current_span(context).get_span_context()
+            span = new_span(_Unsampled)  # serves: otel_drop_roots
+            span._ids = ids
             if current.is_valid:
-                trace_id, state = current.trace_id, current.trace_state
-            else:
-                trace_id, state = ids.generate_trace_id(), None
-            span = NonRecordingSpan(
-                SpanContext(trace_id, ids.generate_span_id(), is_remote=False,
-                            trace_flags=TraceFlags(TraceFlags.DEFAULT), trace_state=state)
-            )  # fmt: skip
-            token = otel_context.attach(trace.set_span_in_context(span))
+                span._parent = current
+            if context:
+                context = trace.set_span_in_context(span, context)
+            else:  # serves: otel_drop_roots
+                context = otel_context.Context({_SPAN_KEY: span})
+            token = attach(context)
             try:
                 return await handler(request)
             finally:
-                otel_context.detach(token)
+                detach(token)
 
         return unsampled
 
@@ -398,10 +554,16 @@ class _Tracing:
         row = self.rows.pop(ticket.id, None)
         if row is not None:
             traceparent = row[0]
-            parent = _remote(traceparent, row[1]) if traceparent else None
-        if parent is not None and not (parent.trace_flags.sampled or parent.is_remote):
-            # Its enqueue was not sampled here: neither is the attempt.
-            return NonRecordingSpan(parent)
+            parent = self._read(traceparent, row[1]) if traceparent else None
+        if (
+            parent is not None
+            and not parent.trace_flags.sampled
+            and (self.drops_remote if parent.is_remote else self.drops_local or self.noop)
+        ):
+            # Its enqueue was not sampled: neither is the attempt, as the sampler decides
+            # (known without asking it). It runs under its enqueue's span context (a remote
+            # one as a local twin, made once for all the attempts under it).
+            return NonRecordingSpan(self._local(parent) if parent.is_remote else parent)
         if self.noop:
             if parent is not None:
                 return NonRecordingSpan(parent)
@@ -425,6 +587,27 @@ class _Tracing:
             span.set_attributes(self._request_attributes(ticket, row))
             self.open[ticket] = span
         return span
+
+    def _read(self, traceparent: str, tracestate: str | None) -> SpanContext | None:
+        """The span context of a row's traceparent and tracestate (see _remote), the last
+        one kept: the rows of one enqueuer's requests hold the same."""
+        read = self.read
+        if read is not None and read[0] == traceparent and read[1] == tracestate:
+            return read[2]  # serves: otel_drop with a store
+        parent = _remote(traceparent, tracestate)
+        self.read = (traceparent, tracestate, parent)
+        return parent
+
+    def _local(self, remote: SpanContext) -> SpanContext:
+        """A local twin of ``remote``, a span context read from a row, made once for each."""
+        twin = self.twin
+        if twin[0] is remote:
+            return twin[1]  # serves: otel_drop with a store
+        local = SpanContext(
+            remote.trace_id, remote.span_id, False, remote.trace_flags, remote.trace_state
+        )
+        self.twin = (remote, local)
+        return local
 
     def _request_attributes(
         self,
@@ -486,7 +669,14 @@ class _Tracing:
         found: list[tuple[str, str] | None] = []
         for ticket in tickets:
             parent = parents.get(ticket)
-            found.append(_traceparent(parent) if parent is not None else None)
+            if parent is None:
+                found.append(None)
+                continue
+            written = self.written
+            if written is None or written[0] is not parent:
+                # serves: otel_drop with a store (the rows of one enqueuer share one)
+                written = self.written = (parent, _traceparent(parent))
+            found.append(written[1])
         return found
 
     def batch_started(self, batch: Batch) -> object:
