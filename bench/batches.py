@@ -35,7 +35,7 @@ from pathlib import Path
 import psycopg
 
 import tickler
-from tickler._stores._seam import Batch, Claimed
+from tickler._stores._seam import Batch, ClaimedRow, GroupLimit, Outcome, OutcomeKind
 
 from .pg_worker import QUEUE, tickler_insert
 from .postgres import DEFAULT_DSN, DSN_ENV, open_database
@@ -84,14 +84,15 @@ def measure(
         assert row is not None
         pid = int(row[0])
         session.db.commit()
-        limits: dict[str, tuple[int | None, int | None, float]] | None = (
-            {"*": (1, None, 1.0)} if grouped else None
-        )
-        claimed: list[Claimed] = []
+        limits = {"*": GroupLimit(1, None, 1.0)} if grouped else None
+        claimed: list[ClaimedRow] = []
         done = 0
         server, client, wall = _cpu_seconds(pid), time.thread_time(), time.perf_counter()
         while True:
-            outcomes = [("succeeded", row[0], (None, time.time(), row[2])) for row in claimed]
+            outcomes = [
+                Outcome(OutcomeKind.SUCCEEDED, row.id, time.time(), attempt=row.attempts)
+                for row in claimed
+            ]
             result = session.run(
                 QUEUE, "bench", 30.0, 3600.0, Batch(outcomes=outcomes, claim=batch, limits=limits)
             )

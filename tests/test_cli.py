@@ -302,7 +302,7 @@ def test_pause_warns_of_a_queue_it_does_not_know(
 def _busy_groups(store: object, connect: object) -> None:
     """Requests of groups a (3), b (2), c (1) and none (1); one claim under limits takes one
     of a's, one of b's, c's and the ungrouped one."""
-    from tickler._stores._seam import Batch
+    from tickler._stores._seam import Batch, GroupLimit
 
     with connect() as connection:  # type: ignore[operator]
         store.enqueue_many_in(connection, "jobs", [1, 2, 3], group="a")  # type: ignore[attr-defined]
@@ -312,7 +312,7 @@ def _busy_groups(store: object, connect: object) -> None:
         connection.commit()
     session = store.connect()  # type: ignore[attr-defined]
     try:
-        limits = {"*": (1, None, 1.0), "c": (None, 5, 2.5)}
+        limits = {"*": GroupLimit(1, None, 1.0), "c": GroupLimit(None, 5, 2.5)}
         result = session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=10, limits=limits))
         assert len(result.claimed) == 4
         assert result.limited == 3
@@ -394,7 +394,7 @@ def _every_live_state(store: object, connect: object) -> None:
     1 running (started) and 1 retrying."""
     import time
 
-    from tickler._stores._seam import Batch
+    from tickler._stores._seam import Batch, Outcome, OutcomeKind
 
     with connect() as connection:  # type: ignore[operator]
         store.enqueue_many_in(connection, "jobs", range(7), group="g")  # type: ignore[attr-defined]
@@ -403,10 +403,12 @@ def _every_live_state(store: object, connect: object) -> None:
     session = store.connect()  # type: ignore[attr-defined]
     try:
         claimed = [
-            row[0]
+            row.id
             for row in session.run("jobs", owner_id("me"), 30.0, 86400.0, Batch(claim=3)).claimed
         ]
-        retry = ("retrying", claimed[1], (time.time() + 3600, "E", "again", "tb"))
+        retry = Outcome(
+            OutcomeKind.RETRYING, claimed[1], time.time() + 3600, None, "E", "again", "tb"
+        )
         session.run(
             "jobs", owner_id("me"), 30.0, 86400.0, Batch(started=[claimed[0]], outcomes=[retry])
         )

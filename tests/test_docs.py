@@ -104,6 +104,9 @@ OUTPUTS = {
     ("docs/failures.md", "retry"): "delivered 'hello' on attempt 3\n2\n",
     ("docs/failures.md", "follow-up-with-a-key"): "['create 1', 'create 1', 'start 1']\n1\n",
     ("docs/stores/sqlite.md", "invoice"): "1 invoice for order 42\n1\n",
+    ("docs/stores/writing-a-store.md", "one-batch"): (
+        "[True, True]\n[(b'1', 1, None), (b'2', 1, None)]\n['succeeded', 'succeeded']\n"
+    ),
     ("docs/scheduling.md", "priorities"): (
         "['password reset', 'receipt', 'invoice', 'newsletter']\n"
     ),

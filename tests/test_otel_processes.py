@@ -251,10 +251,10 @@ def test_a_trace_crosses_processes_through_postgres(
 
 def check_trace_columns(store: tickler.SqliteStore | tickler.PostgresStore) -> None:
     """A batch writes an insert's trace context, and a claim reads it back with the row."""
-    from tickler._stores._seam import Batch
+    from tickler._stores._seam import Batch, Insert
 
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    insert = ('"k"', "queued", b"1", 0.0, 7, None, "g", None)
+    insert = Insert('"k"', "queued", b"1", 0.0, 7, None, "g")
     session = store.connect()
     try:
         result = session.run(
@@ -265,7 +265,7 @@ def check_trace_columns(store: tickler.SqliteStore | tickler.PostgresStore) -> N
             owner_id("me"),
             30.0,
             86400.0,
-            Batch(inserts=[(None, "queued", b"2", 0.0, 0, None, None, None)], traces=None),
+            Batch(inserts=[Insert(None, "queued", b"2", 0.0)], traces=None),
         )
         traced = session.run(
             "jobs",
@@ -273,7 +273,7 @@ def check_trace_columns(store: tickler.SqliteStore | tickler.PostgresStore) -> N
             30.0,
             86400.0,
             Batch(
-                inserts=[(None, "queued", b"3", 0.0, 0, None, None, None)],
+                inserts=[Insert(None, "queued", b"3", 0.0)],
                 traces=[(traceparent, "a=1")],
                 claim=3,
             ),

@@ -36,7 +36,7 @@ import trio
 
 import tickler
 from tickler._codec import MAX_KEY_BYTES, MAX_QUEUE_BYTES
-from tickler._stores._seam import Batch
+from tickler._stores._seam import Batch, Insert
 
 from .store_backends import Backend, PostgresBackend, SqliteBackend, owner_id
 from .store_runs import check_killed_run, check_shared_run, wait_for_ends, worker
@@ -689,9 +689,9 @@ def test_a_row_the_store_refuses_does_not_stop_the_rest_of_an_isolated_batch(
             now = time.time()
             batch = Batch(
                 inserts=[
-                    (None, "queued", b"1", now),
-                    ('"poison"', "queued", b"2", now),
-                    (f'"fine {round_}"', "queued", b"3", now),
+                    Insert(None, "queued", b"1", now),
+                    Insert('"poison"', "queued", b"2", now),
+                    Insert(f'"fine {round_}"', "queued", b"3", now),
                 ],
                 claim=5,
                 isolate=True,
@@ -705,10 +705,10 @@ def test_a_row_the_store_refuses_does_not_stop_the_rest_of_an_isolated_batch(
             assert first[1]
             assert last[1]
             # The batch went on after the refused row: it claimed the others.
-            assert sorted(row[0] for row in result.claimed) == [first[0], last[0]]
+            assert sorted(row.id for row in result.claimed) == [first[0], last[0]]
             kept += [first[0], last[0]]
         # Without isolate the batch fails as a whole, and the next one commits.
-        poisoned = Batch(inserts=[(None, "queued", b"4", time.time()), *batch.inserts[1:2]])
+        poisoned = Batch(inserts=[Insert(None, "queued", b"4", time.time()), *batch.inserts[1:2]])
         with pytest.raises(Exception, match="injected fault"):
             session.run("jobs", owner_id("owner"), 30.0, 86400.0, poisoned)
         result = session.run(
@@ -716,7 +716,7 @@ def test_a_row_the_store_refuses_does_not_stop_the_rest_of_an_isolated_batch(
             owner_id("owner"),
             30.0,
             86400.0,
-            Batch(inserts=[(None, "queued", b"5", time.time())]),
+            Batch(inserts=[Insert(None, "queued", b"5", time.time())]),
         )
         assert result.refused == {}
         kept.append(result.inserted[0][0])

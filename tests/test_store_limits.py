@@ -23,11 +23,12 @@ import pytest
 import tickler
 from tickler._stores import _sql
 from tickler._stores._seam import Batch, BatchResult, Session
+from tickler._values import GroupLimit, Insert, Outcome, OutcomeKind
 
 from .store_backends import FAST, Backend, owner_id
 from .test_store_contract import BACKENDS
 
-Limit = tuple[int | None, int | None, float]
+Limit = GroupLimit
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -57,19 +58,19 @@ def run(session: Session, batch: Batch, *, owner: str = "me", lease: float = 30.
 
 def entry(
     request: bytes, group: str | None = None, *, priority: int = 0, at: float | None = None
-) -> tuple[Any, ...]:
+) -> Insert:
     """A Batch.inserts entry as the engine sends it, with a ticket of its own at the end."""
     run_at = time.time() if at is None else at
     state = "scheduled" if run_at > time.time() else "queued"
-    return (None, state, request, run_at, priority, None, group, object())
+    return Insert(None, state, request, run_at, priority, None, group, object())
 
 
 def claimed(result: BatchResult) -> list[bytes]:
-    return [bytes(row[1]) for row in result.claimed]
+    return [bytes(row.request) for row in result.claimed]
 
 
 def finish(session: Session, result: BatchResult, *, owner: str = "me") -> None:
-    outcomes = [("succeeded", row[0], (None, time.time())) for row in result.claimed]
+    outcomes = [Outcome(OutcomeKind.SUCCEEDED, row.id, time.time()) for row in result.claimed]
     if outcomes:
         done = run(session, Batch(outcomes=outcomes), owner=owner)
         assert done.applied == ["succeeded"] * len(outcomes)
@@ -94,7 +95,7 @@ def running_by_group(backend: Backend) -> dict[str | None, int]:
     return {row[0]: int(row[1]) for row in rows}
 
 
-ONE_EACH: dict[str, Limit] = {"*": (1, None, 1.0)}
+ONE_EACH: dict[str, Limit] = {"*": Limit(1, None, 1.0)}
 
 
 # -- Groups are written
@@ -103,7 +104,7 @@ ONE_EACH: dict[str, Limit] = {"*": (1, None, 1.0)}
 def test_a_batch_and_enqueue_in_write_each_requests_group(
     backend: Backend, store: Any, session: Session
 ) -> None:
-    run(session, Batch(inserts=[entry(b"1", "a"), entry(b"2"), (None, "queued", b"3", 0.0)]))
+    run(session, Batch(inserts=[entry(b"1", "a"), entry(b"2"), Insert(None, "queued", b"3", 0.0)]))
     with backend.connect(autocommit=False) as connection:
         store.enqueue_in(connection, "jobs", 4, group="b")
         store.enqueue_many_in(connection, "jobs", [5, 6], group="é" * 100)
@@ -153,16 +154,16 @@ def test_concurrency_bounds_each_groups_running_rows(backend: Backend, session: 
     inserts = [entry(f"{g}{i}".encode(), g) for i in range(4) for g in "ab"]
     inserts += [entry(b"free 1"), entry(b"free 2")]
     run(session, Batch(inserts=inserts))
-    first = run(session, Batch(claim=10, limits={"*": (2, None, 1.0)}))
+    first = run(session, Batch(claim=10, limits={"*": Limit(2, None, 1.0)}))
     assert claimed(first) == [b"a0", b"b0", b"a1", b"b1", b"free 1", b"free 2"]
     assert first.limited == 4
     assert running_by_group(backend) == {"a": 2, "b": 2, None: 2}
     # Full: nothing more until a slot frees.
-    again = run(session, Batch(claim=10, limits={"*": (2, None, 1.0)}))
+    again = run(session, Batch(claim=10, limits={"*": Limit(2, None, 1.0)}))
     assert (again.claimed, again.limited) == ([], 4)
     done = [row for row in first.claimed if bytes(row[1]) == b"a0"]
-    outcomes = [("succeeded", done[0][0], (None, time.time()))]
-    after = run(session, Batch(outcomes=outcomes, claim=10, limits={"*": (2, None, 1.0)}))
+    outcomes = [Outcome(OutcomeKind.SUCCEEDED, done[0].id, time.time())]
+    after = run(session, Batch(outcomes=outcomes, claim=10, limits={"*": Limit(2, None, 1.0)}))
     assert claimed(after) == [b"a2"]
     assert after.limited == 3
 
@@ -295,7 +296,7 @@ def test_a_lapsed_lease_frees_its_groups_slot(backend: Backend, store: Any) -> N
 
 def test_a_rate_bounds_the_starts_of_a_group_in_any_window(backend: Backend, store: Any) -> None:
     rate, per = 3, 0.5
-    limits: dict[str, Limit] = {"r": (None, rate, per)}
+    limits: dict[str, Limit] = {"r": Limit(None, rate, per)}
     setup = store.connect()
     try:
         run(setup, Batch(inserts=[entry(f"r{i}".encode(), "r") for i in range(60)]))
@@ -339,11 +340,13 @@ def test_a_rate_bounds_the_starts_of_a_group_in_any_window(backend: Backend, sto
 
 
 def test_a_retry_counts_as_a_start(session: Session) -> None:
-    limits: dict[str, Limit] = {"r": (None, 2, 60.0)}
+    limits: dict[str, Limit] = {"r": Limit(None, 2, 60.0)}
     run(session, Batch(inserts=[entry(b"1", "r"), entry(b"2", "r"), entry(b"3", "r")]))
     first = run(session, Batch(claim=1, limits=limits))
     assert claimed(first) == [b"1"]
-    retry = ("retrying", first.claimed[0][0], (time.time() - 1, "E", "again", "tb"))
+    retry = Outcome(
+        OutcomeKind.RETRYING, first.claimed[0].id, time.time() - 1, None, "E", "again", "tb"
+    )
     second = run(session, Batch(outcomes=[retry], claim=5, limits=limits))
     assert claimed(second) == [b"1"]
     assert second.limited == 2
@@ -378,7 +381,7 @@ def test_a_blocked_groups_backlog_holds_back_no_other_row(
             + [entry(f"u{i}".encode(), at=later) for i in range(4)]
         ),
     )
-    limits: dict[str, Limit] = {"busy": (1, None, 1.0), "*": (2, None, 1.0)}
+    limits: dict[str, Limit] = {"busy": Limit(1, None, 1.0), "*": Limit(2, None, 1.0)}
     first = run(session, Batch(claim=20, limits=limits))
     assert claimed(first) == [b"0"]
     assert first.limited == 4999
@@ -399,7 +402,7 @@ def test_a_blocked_groups_backlog_holds_back_no_other_row(
 def test_the_default_limit_and_its_overrides(session: Session) -> None:
     inserts = [entry(f"{g}{i}".encode(), g) for i in range(5) for g in ("a", "b", "vip")]
     run(session, Batch(inserts=[*inserts, entry(b"free")]))
-    limits: dict[str, Limit] = {"*": (1, None, 1.0), "vip": (3, None, 1.0)}
+    limits: dict[str, Limit] = {"*": Limit(1, None, 1.0), "vip": Limit(3, None, 1.0)}
     result = run(session, Batch(claim=100, limits=limits))
     assert sorted(claimed(result)) == sorted([b"a0", b"b0", b"vip0", b"vip1", b"vip2", b"free"])
     assert result.limited == 4 + 4 + 2
@@ -408,7 +411,7 @@ def test_the_default_limit_and_its_overrides(session: Session) -> None:
 def test_only_the_named_groups_are_limited_without_a_default(session: Session) -> None:
     inserts = [entry(f"{g}{i}".encode(), g) for i in range(3) for g in ("a", "b")]
     run(session, Batch(inserts=inserts))
-    result = run(session, Batch(claim=100, limits={"a": (1, None, 1.0)}))
+    result = run(session, Batch(claim=100, limits={"a": Limit(1, None, 1.0)}))
     assert sorted(claimed(result)) == [b"a0", b"b0", b"b1", b"b2"]
     assert result.limited == 2
 
@@ -441,7 +444,7 @@ def test_statistics_count_limited_rows_with_the_stored_limits(
 ) -> None:
     run(session, Batch(inserts=[entry(b"a0", "a"), entry(b"a1", "a"), entry(b"a2", "a")]))
     assert session.statistics("jobs")["limited"] == 0
-    run(session, Batch(claim=1, limits={"a": (1, None, 2.5)}))
+    run(session, Batch(claim=1, limits={"a": Limit(1, None, 2.5)}))
     stored = query(backend, "SELECT queue, limits FROM {tickler_queues}")
     assert [(q, json.loads(text)) for q, text in stored] == [("jobs", {"a": [1, None, 2.5]})]
     other = store.connect()
@@ -451,8 +454,8 @@ def test_statistics_count_limited_rows_with_the_stored_limits(
     finally:
         other.close()
     # Limits given again unchanged, then changed: the store keeps the last.
-    run(session, Batch(claim=1, limits={"a": (1, None, 2.5)}))
-    run(session, Batch(claim=1, limits={"a": (3, None, 1.0)}))
+    run(session, Batch(claim=1, limits={"a": Limit(1, None, 2.5)}))
+    run(session, Batch(claim=1, limits={"a": Limit(3, None, 1.0)}))
     assert json.loads(query(backend, "SELECT limits FROM {tickler_queues}")[0][0]) == {
         "a": [3, None, 1.0]
     }
@@ -469,7 +472,11 @@ def test_every_claim_takes_exactly_what_the_limits_allow_whichever_way_it_looks(
     monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)
     rng = random.Random(23)
     groups = [f"g{n}" for n in range(8)]
-    limits: dict[str, Limit] = {"*": (2, None, 1.0), "g1": (1, 3, 60.0), "g2": (None, 2, 60.0)}
+    limits: dict[str, Limit] = {
+        "*": Limit(2, None, 1.0),
+        "g1": Limit(1, 3, 60.0),
+        "g2": Limit(None, 2, 60.0),
+    }
     inserts = [
         entry(f"{n}".encode(), rng.choice([*groups, None]), priority=rng.choice([0, 0, 1]))
         for n in range(400)
@@ -524,11 +531,11 @@ def test_every_claim_takes_exactly_what_the_limits_allow_whichever_way_it_looks(
         size = rng.choice([1, 3, 5, 12])
         want, held = expected(size)
         result = run(session, Batch(claim=size, limits=limits))
-        assert [row[0] for row in result.claimed] == want, looks
+        assert [row.id for row in result.claimed] == want, looks
         assert result.limited == held, looks
         running = query(backend, "SELECT id FROM {tickler_requests} WHERE state = 'running'")
         done = [row[0] for row in running if rng.random() < 0.6]
-        outcomes = [("succeeded", request_id, (None, time.time())) for request_id in done]
+        outcomes = [Outcome(OutcomeKind.SUCCEEDED, request_id, time.time()) for request_id in done]
         if outcomes:
             run(session, Batch(outcomes=outcomes))
         looks += 1
@@ -539,10 +546,14 @@ def test_every_claim_takes_exactly_what_the_limits_allow_whichever_way_it_looks(
 
 
 LIMITS_TO_COMPARE: list[dict[str, Limit]] = [
-    {"*": (1, None, 1.0)},
-    {"*": (2, None, 1.0), "g1": (1, 3, 60.0), "g2": (None, 2, 60.0)},
-    {"g0": (1, None, 1.0), "g3": (3, 2, 60.0), "g4": (None, None, 1.0)},  # no default
-    {"*": (None, 2, 60.0), "g5": (4, None, 1.0)},
+    {"*": Limit(1, None, 1.0)},
+    {"*": Limit(2, None, 1.0), "g1": Limit(1, 3, 60.0), "g2": Limit(None, 2, 60.0)},
+    {
+        "g0": Limit(1, None, 1.0),
+        "g3": Limit(3, 2, 60.0),
+        "g4": Limit(None, None, 1.0),
+    },  # no default
+    {"*": Limit(None, 2, 60.0), "g5": Limit(4, None, 1.0)},
 ]
 
 
@@ -653,7 +664,7 @@ def test_a_large_limited_count_is_made_again_once_a_while(
     every = 1.5  # (a little longer than the store's, so that a slow machine cannot pass it)
     monkeypatch.setattr(_sql, "LIMITED_EVERY", every)
     monkeypatch.setattr(_sql, "LIMITED_SPACING", 0.0)  # (see the test below)
-    limits: dict[str, Limit] = {"*": (1, None, 1.0)}
+    limits: dict[str, Limit] = {"*": Limit(1, None, 1.0)}
 
     def enqueue(count: int) -> None:
         with backend.connect(autocommit=False) as connection:
@@ -690,7 +701,7 @@ def test_a_slow_full_count_is_made_less_often(
     """A full count is made again no sooner than LIMITED_SPACING times what the last took."""
     monkeypatch.setattr(_sql, "LIMITED_EVERY", 0.0)
     monkeypatch.setattr(_sql, "LIMITED_SPACING", spacing)
-    limits: dict[str, Limit] = {"*": (1, None, 1.0)}
+    limits: dict[str, Limit] = {"*": Limit(1, None, 1.0)}
     with backend.connect(autocommit=False) as connection:
         store.enqueue_many_in(connection, "jobs", range(_sql.LIMITED_EXACT + 1), group="busy")
         connection.commit()
@@ -785,7 +796,7 @@ def check_migrated(store: Any) -> None:
             Batch(
                 inserts=[entry(b"3", "g"), entry(b"4", "g")],
                 claim=10,
-                limits={"g": (1, 1, 60.0)},
+                limits={"g": Limit(1, 1, 60.0)},
             ),
         )
         assert claimed(result) == [b"1", b"2", b"3"]

@@ -23,6 +23,7 @@ import trio
 
 import tickler
 from tickler._stores._seam import Batch, BatchResult, Session
+from tickler._values import Insert, Outcome, OutcomeKind, Tick
 
 from .store_backends import FAST, Backend, owner_id
 from .test_store_contract import BACKENDS, double
@@ -60,15 +61,15 @@ def entry(
     priority: int = 0,
     unique_until: float | None = None,
     at: float | None = None,
-) -> tuple[Any, ...]:
+) -> Insert:
     """A Batch.inserts entry as the engine sends it, with a ticket of its own at the end."""
     run_at = time.time() if at is None else at
     state = "scheduled" if run_at > time.time() else "queued"
-    return (key, state, request, run_at, priority, unique_until, object())
+    return Insert(key, state, request, run_at, priority, unique_until, None, object())
 
 
 def claimed(result: BatchResult) -> list[bytes]:
-    return [bytes(row[1]) for row in result.claimed]
+    return [bytes(row.request) for row in result.claimed]
 
 
 # -- Priorities
@@ -96,8 +97,8 @@ def test_a_claim_takes_the_higher_priority_first_then_the_due_then_the_enqueued(
     assert claimed(first) == [b"g", b"c"]
     rest = run(session, Batch(claim=10))
     assert claimed(rest) == [b"e", b"b", b"a", b"f"]
-    # Each claimed row carries its priority as its 7th column.
-    assert [row[6] for row in first.claimed + rest.claimed] == [5, 5, 5, 0, 0, -3]
+    # Each claimed row carries its priority.
+    assert [row.priority for row in first.claimed + rest.claimed] == [5, 5, 5, 0, 0, -3]
     # The row scheduled for later is not claimed, whatever its priority; it is next due.
     assert rest.next_due == pytest.approx(now + 3600, abs=5)
 
@@ -105,8 +106,10 @@ def test_a_claim_takes_the_higher_priority_first_then_the_due_then_the_enqueued(
 def test_a_retried_request_keeps_its_priority(session: Session) -> None:
     run(session, Batch(inserts=[entry(b"low"), entry(b"high", priority=3), entry(b"low 2")]))
     (row,) = run(session, Batch(claim=1)).claimed
-    assert (bytes(row[1]), row[6]) == (b"high", 3)
-    outcome = ("retrying", row[0], (time.time() - 1, "ValueError", "again", "tb"))
+    assert (bytes(row.request), row.priority) == (b"high", 3)
+    outcome = Outcome(
+        OutcomeKind.RETRYING, row.id, time.time() - 1, None, "ValueError", "again", "tb"
+    )
     result = run(session, Batch(outcomes=[outcome], claim=3))
     assert result.applied == ["retrying"]
     assert claimed(result) == [b"high", b"low", b"low 2"]
@@ -132,7 +135,7 @@ def finish(session: Session, ids: list[int]) -> None:
     """Claim the queue's ready rows and end these ones succeeded."""
     result = run(session, Batch(claim=100))
     assert {row[0] for row in result.claimed} >= set(ids)
-    outcomes = [("succeeded", i, (None, time.time())) for i in ids]
+    outcomes = [Outcome(OutcomeKind.SUCCEEDED, i, time.time()) for i in ids]
     assert run(session, Batch(outcomes=outcomes)).applied == ["succeeded"] * len(ids)
 
 
@@ -375,8 +378,8 @@ async def test_a_paused_replica_with_work_waiting_sleeps_until_its_next_look(
 # -- Periodic ticks
 
 
-def tick(name: str, at: float, *, catch_up: bool = False, priority: int = 0) -> Any:
-    return (name, at, catch_up, f"{name}@{at}".encode(), priority)
+def tick(name: str, at: float, *, catch_up: bool = False, priority: int = 0) -> Tick:
+    return Tick(name, at, catch_up, f"{name}@{at}".encode(), priority)
 
 
 def test_each_tick_enqueues_once_though_two_processes_race_for_it(

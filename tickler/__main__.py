@@ -37,13 +37,14 @@ from ._exceptions import StoreError
 from ._stores import postgres, sqlite
 from ._stores._sql import QueueReport
 from ._urls import _PREFIX, _is_postgres, open_store, redact
+from ._values import GroupLimit
 
 __all__ = ["main", "open_store", "redact"]
 
 _LATEST_FAILURES = 5
 
 
-def _limit(limit: tuple[int | None, int | None, float]) -> str:
+def _limit(limit: GroupLimit) -> str:
     """One group's limit, as the report shows it."""
     concurrency, rate, per = limit
     parts = []

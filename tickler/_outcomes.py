@@ -46,6 +46,7 @@ from ._exceptions import ServiceClosed, Withdrawn
 from ._retry import Retry
 from ._statistics import TIME_BUCKETS
 from ._ticket import Ticket
+from ._values import OutcomeKind
 
 _Coroutine = types.CoroutineType
 
@@ -84,7 +85,7 @@ class Outcomes:
             # everything a stop takes away does. No retry, no on_error.
             stored = engine._store_run
             if stored is not None:
-                stored.record("handed_back", ticket, (wall_clock(),))
+                stored.record(OutcomeKind.HANDED_BACK, ticket, wall_clock())
             else:
                 self.cancel(ticket, now)
             return
@@ -251,7 +252,7 @@ class Outcomes:
             # With a store a stop never ends a request: it goes back to the store.
             if not _is_cancellation(exc):
                 engine._may_start = engine._draining = False
-            stored.record("handed_back", ticket, (wall_clock(),))
+            stored.record(OutcomeKind.HANDED_BACK, ticket, wall_clock())
             return
         if _is_cancellation(exc):
             # By a stop or a crash; or by cancel(), whose request the stop's
@@ -293,7 +294,7 @@ class Outcomes:
         stored = engine._store_run
         if stored is not None:
             # Claimed but not started: back to the store, to run later.
-            stored.record("returned", ticket, (wall_clock(),))
+            stored.record(OutcomeKind.RETURNED, ticket, wall_clock())
             return
         engine._finish(ticket, _CANCELLED, (now, None))
         self.cancelled += 1

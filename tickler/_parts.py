@@ -22,6 +22,7 @@ import trio
 from ._retry import Retry
 from ._stores._seam import Batch, BatchResult, Session, Store
 from ._ticket import Ticket
+from ._values import Insert, OutcomeKind, Tick
 
 
 class IntakePart(Protocol):
@@ -192,13 +193,13 @@ class StorePart(Protocol):
 
     store: Store
     connection: Session | None
-    pending: list[Any]
+    pending: list[Insert]
     committed: trio.Event
     errors: int
     rescued: dict[str, int]
     pause_wanted: bool | None
     limited: int
-    ticks: list[tuple[str, float, bool, bytes, int]]
+    ticks: list[Tick]
 
     def encode(self, request: Any) -> tuple[bytes, Any]: ...
 
@@ -241,7 +242,10 @@ class StorePart(Protocol):
         """Why the loop took the attempt away, once (then forgotten); None if it did not."""
         ...
 
-    def record(self, kind: str, ticket: Ticket[Any, Any], values: tuple[Any, ...]) -> None: ...
+    def record(self, kind: OutcomeKind, ticket: Ticket[Any, Any], at: float) -> None:
+        """A claimed attempt goes back (HANDED_BACK, RETURNED) at ``at``: the next batch
+        writes it."""
+        ...
 
     def record_success(
         self, ticket: Ticket[Any, Any], result: Any, context: contextvars.Context

@@ -34,6 +34,7 @@ from ._stores._seam import Store
 from ._stores._sync import StoreSync
 from ._supervisor import Supervisor
 from ._ticket import RequestT, ResultT, Ticket
+from ._values import GroupLimit
 
 
 def _check_capacity(value: object) -> int:
@@ -204,7 +205,7 @@ class Service(_Engine[RequestT, ResultT]):
                 self._groups = Groups(self, checked_limits)
             else:
                 sync.limits = {
-                    group: (limit.concurrency, limit.rate, limit.per)
+                    group: GroupLimit(limit.concurrency, limit.rate, limit.per)
                     for group, limit in checked_limits.items()
                 }
                 sync.rated = any(limit.rate is not None for limit in checked_limits.values())

@@ -28,6 +28,7 @@ from ._intake import Intake
 from ._periodic import Periodic
 from ._stopping import Stopping
 from ._stores._sync import StoreSync
+from ._values import Tick
 
 
 @attrs.define(eq=False)
@@ -62,7 +63,9 @@ class Supervisor:
                 # A tick missed while no replica ran: one run for all of them,
                 # if the store has seen the schedule before (see Batch.ticks).
                 data = self.encoded[each.name]
-                self.sync.ticks.append((each.name, each.last_tick(wall), True, data, each.priority))
+                self.sync.ticks.append(
+                    Tick(each.name, each.last_tick(wall), True, data, each.priority)
+                )
 
     def tick(self, trio_now: float) -> float:
         """Enqueue the periodic requests whose tick has come; return Trio's time of the next."""
@@ -75,7 +78,7 @@ class Supervisor:
             self.next_ticks[each.name] = each.next_tick(wall)
             if self.sync is not None:
                 data = self.encoded[each.name]
-                self.sync.ticks.append((each.name, tick, False, data, each.priority))
+                self.sync.ticks.append(Tick(each.name, tick, False, data, each.priority))
                 continue
             try:
                 if engine._tracer is None:
@@ -130,7 +133,7 @@ class Supervisor:
                 ticket.enqueued_at = now
             if stored is not None:
                 for pending in stored.pending:
-                    pending[7].enqueued_at = now
+                    pending.ticket.enqueued_at = now
             for _, _, _, ticket in engine._ready:
                 ticket.enqueued_at = now
         if self.periodic:

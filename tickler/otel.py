@@ -73,6 +73,7 @@ from ._stores._seam import Batch, BatchResult
 from ._stores.postgres import PostgresStore
 from ._stores.sqlite import SqliteStore
 from ._ticket import Ticket
+from ._values import ClaimTrace
 
 __all__ = ["instrument", "instrument_store", "uninstrument", "uninstrument_store"]
 
@@ -368,7 +369,7 @@ class _Tracing:
         self.parents: dict[Ticket[Any, Any], SpanContext] = {}
         # What a store's claim read of each claimed row: (traceparent, tracestate, key,
         # priority, group), by request id, until its attempt starts.
-        self.rows: dict[int, tuple[str | None, str | None, str | None, int, str | None]] = {}
+        self.rows: dict[int, ClaimTrace] = {}
         # The attempt span of each attempt whose outcome is not known yet.
         self.open: dict[Ticket[Any, Any], Span] = {}
 
@@ -553,8 +554,8 @@ class _Tracing:
         parent = self.parents.get(ticket)
         row = self.rows.pop(ticket.id, None)
         if row is not None:
-            traceparent = row[0]
-            parent = self._read(traceparent, row[1]) if traceparent else None
+            traceparent = row.traceparent
+            parent = self._read(traceparent, row.tracestate) if traceparent else None
         if (
             parent is not None
             and not parent.trace_flags.sampled
@@ -612,7 +613,7 @@ class _Tracing:
     def _request_attributes(
         self,
         ticket: Ticket[Any, Any],
-        row: tuple[str | None, str | None, str | None, int, str | None] | None,
+        row: ClaimTrace | None,
     ) -> dict[str, Any]:
         """The attributes an attempt's span has of its request (for a span that records)."""
         attributes: dict[str, Any] = {
@@ -620,7 +621,7 @@ class _Tracing:
             "tickler.attempt": ticket.attempts,
         }
         if row is not None:
-            _, _, key, priority, group = row
+            key, priority, group = row.key, row.priority, row.group
         else:
             service = self.service
             intake = service._intake
@@ -712,7 +713,7 @@ class _Tracing:
             span.end()
         # The rows are written: their enqueue spans travel in them from now on.
         for entry in batch.inserts:
-            self.parents.pop(entry[7], None)
+            self.parents.pop(entry.ticket, None)
         self.rows.update(result.traces)
 
     def _batch_span(self, batch: Batch, start_time: int) -> Span:
@@ -734,7 +735,7 @@ class _Tracing:
                 }
             )
             for entry in batch.inserts[:64]:
-                parent = self.parents.get(entry[7])
+                parent = self.parents.get(entry.ticket)
                 if parent is not None:
                     span.add_link(parent)
         return span

@@ -17,6 +17,24 @@ from typing import Any, Protocol
 
 import attrs
 
+from .._values import ClaimedRow, ClaimTrace, GroupLimit, Insert, Outcome, OutcomeKind, Tick
+
+__all__ = [
+    "Batch",
+    "BatchResult",
+    "ClaimTrace",
+    "ClaimedRow",
+    "GroupLimit",
+    "Insert",
+    "Listener",
+    "Outcome",
+    "OutcomeKind",
+    "Row",
+    "Session",
+    "Store",
+    "Tick",
+]
+
 
 @attrs.define(eq=False)
 class Row:
@@ -36,23 +54,14 @@ class Row:
     finished_at: float | None
 
 
-# A row a batch claimed, as its claim returns it: (id, request, attempts,
-# key, enqueued_at, run_at, ...), run_at being the order in which claims start;
-# a store may add columns after these. The SQL stores add the priority and the
-# reason the claim rescued the row ("owner_died", "lease_lapsed"), or None.
-Claimed = tuple[int, bytes, int, str | None, float, float, *tuple[Any, ...]]
-
-
 @attrs.define(eq=False)
 class Batch:
     """What one wake-up of a loop writes and asks, in one transaction."""
 
-    inserts: Sequence[tuple[Any, ...]] = ()
-    """For each request enqueued since the last batch: (key, state, request, run_at,
-priority, unique_until, group, ...); what follows is the engine's own and not written."""
-    outcomes: list[tuple[str, int, tuple[Any, ...]]] = attrs.Factory(list)
-    """(kind, id, values) for each attempt that ended, the values ending with the
-    attempt's number (or None): see _sql.run_batch."""
+    inserts: Sequence[Insert] = ()
+    """Each request enqueued since the last batch (its ``ticket`` is the engine's own)."""
+    outcomes: Sequence[Outcome] = ()
+    """Each attempt that ended since the last batch (see Outcome)."""
     claim: int = 0
     """How many ready rows to claim."""
     renew: bool = False
@@ -70,19 +79,19 @@ priority, unique_until, group, ...); what follows is the engine's own and not wr
     pause: bool | None = None
     """If not None, set the queue's paused flag to it (for every process), before the claim:
     a paused queue's claims take nothing, while its running rows keep their leases."""
-    traces: Sequence[tuple[str, str] | None] | None = None
+    traces: Sequence[tuple[str, str] | None] | None = None  # (traceparent, tracestate)
     """With tracing on (else None): for each of ``inserts``, the W3C (traceparent,
     tracestate) of its enqueue span, or None, written into the row of each request that
     is new; and the claim then also reads each claimed row's (see BatchResult.traces)."""
-    ticks: Sequence[tuple[str, float, bool, bytes, int]] = ()
-    """Periodic ticks: (name, tick_at, catch_up, request, priority). Each is taken by one
+    ticks: Sequence[Tick] = ()
+    """Periodic ticks. Each is taken by one
     process only, against the queue's record of the name: with no record yet, the record
     is made and the request enqueued unless catch_up; with a record of an earlier tick, the
     request is enqueued; else nothing. tick_at is the tick's wall-clock time, its identity
     (never moved by BatchResult.shift); an enqueued request is queued, due now."""
-    limits: Mapping[str, tuple[int | None, int | None, float]] | None = None
+    limits: Mapping[str, GroupLimit] | None = None
     """Per-group limits of the claim, or None: none (the claim as without groups). By group
-    name, and "*" for every group not named: (concurrency, rate, per), each limit applying
+    name, and "*" for every group not named: each limit applying
     to each group on its own, across every process. concurrency (or None: no bound) bounds
     the group's running rows whose lease has not run out; rate (or None) the attempts of
     the group claimed within any window of per seconds (a retry, or the rescue of a lapsed
@@ -97,7 +106,9 @@ class BatchResult:
     """For each insert: (id, whether it is new; False: its key was live)."""
     applied: list[str | None] = attrs.Factory(list)
     """For each outcome: the state it wrote, or None if this process no longer held the lease."""
-    claimed: list[Claimed] = attrs.Factory(list)
+    claimed: list[ClaimedRow] = attrs.Factory(list)
+    """The rows claimed, in the order they are to start: the higher priority first, then as
+    they fell due, then by id."""
     next_due: float | None = None
     """When the queue's next ready row falls due (the store's clock), after the batch; None
     if it has none. Also None after a claim with Batch.limits that left due rows waiting
@@ -123,12 +134,9 @@ class BatchResult:
     paused: bool = False
     """Whether the queue is paused, after the batch."""
     ticked: list[int] = attrs.Factory(list)
-    traces: dict[int, tuple[str | None, str | None, str | None, int, str | None]] = attrs.Factory(
-        dict
-    )
-    """With Batch.traces: for each claimed row, (traceparent, tracestate, key, priority,
-    group_name)."""
     """For each of Batch.ticks: the id of the request it enqueued, or 0."""
+    traces: dict[int, ClaimTrace] = attrs.Factory(dict)
+    """With Batch.traces: each claimed row's, by its id."""
     limited: int = 0
     """With Batch.limits and a claim: how many of the queue's ready rows (queued, or
     scheduled or retrying and due) wait only because their group is at its limit, after

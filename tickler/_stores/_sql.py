@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -21,7 +22,8 @@ import attrs
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
 from .._core import _check_delay, check_unique_for
 from .._exceptions import StoreError
-from ._seam import Batch, BatchResult, Claimed, Row
+from .._values import ClaimedRow, ClaimTrace, GroupLimit, Insert, Outcome, OutcomeKind, Tick
+from ._seam import Batch, BatchResult, Row
 
 # Live states hold their key; ready states may be claimed once run_at has come.
 LIVE = ("queued", "scheduled", "running", "retrying")
@@ -35,41 +37,42 @@ COUNTED_STATE = "CASE WHEN state = 'running' AND started_at IS NULL THEN 'claime
 COUNTED_LIVE = tuple(state for state in COUNTED if state not in FINAL)
 
 # What each outcome sets, from the columns of a row v of its values: column1
-# is the id, then the outcome's values, then {now}, the transaction's time.
+# is the id, then the outcome's values (OUTCOME_FIELDS), then its attempt, then {now},
+# the transaction's time.
 # Every finished_at is that time, taken once the write lock is held, so that
 # rows become final in the order of finished_at (see Batch.finished_since).
 SETS = {
     # Once its cancel was asked for, a request ends CANCELLED, even if its
     # handler returned (or failed) before the cancel reached it.
-    "succeeded": (
+    OutcomeKind.SUCCEEDED: (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END,"
         " result = CASE WHEN cancel_requested THEN NULL ELSE v.column2 END,"
         " finished_at = {now}, started_at = coalesce(started_at, {now})"
     ),
     # A request whose cancel was asked for is never retried nor handed back.
-    "retrying": (
+    OutcomeKind.RETRYING: (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'retrying' END,"
         " finished_at = CASE WHEN cancel_requested THEN {now} END,"
         " run_at = v.column2, error_type = v.column3,"
         " error_message = v.column4, error_traceback = v.column5,"
         " started_at = coalesce(started_at, {now})"
     ),
-    "failed": (
+    OutcomeKind.FAILED: (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'failed' END,"
         " finished_at = {now}, error_type = v.column3,"
         " error_message = v.column4, error_traceback = v.column5,"
         " started_at = coalesce(started_at, {now})"
     ),
-    "cancelled": (
+    OutcomeKind.CANCELLED: (
         "state = 'cancelled', finished_at = {now}, started_at = coalesce(started_at, {now})"
     ),
-    "handed_back": (
+    OutcomeKind.HANDED_BACK: (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
         " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2,"
         " started_at = coalesce(started_at, {now})"
     ),
     # Claimed but never started: handed back, and the claim's attempt undone.
-    "returned": (
+    OutcomeKind.RETURNED: (
         "state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'queued' END,"
         " finished_at = CASE WHEN cancel_requested THEN {now} END, run_at = v.column2,"
         " attempts = attempts - 1"
@@ -93,11 +96,15 @@ ROWS_PER_STATEMENT = 150
 PRUNE_BATCH = 1000
 
 # The order of claimed rows: the higher priority first; of one priority, as they fell
-# due, then as they were enqueued. A claimed row is (id, ..., run_at, priority, ...).
+# due, then as they were enqueued.
 
 
-def _claim_order(row: Claimed) -> tuple[int, float, int]:
-    return -row[6], row[5], row[0]
+# A claimed row as a dialect's claim gives it: ClaimedRow's columns, in its order.
+Claimed = tuple[Any, ...]
+
+
+def _claim_order(row: ClaimedRow) -> tuple[int, float, int]:
+    return -row.priority, row.run_at, row.id
 
 
 # Why a running row was claimed again (its column ``rescued``, and the counts of
@@ -254,19 +261,16 @@ class Dialect(Protocol):
         minus this process's (time.time()), never less than the true difference."""
         ...
 
-    def insert_rows(
-        self, queue: str, entries: Sequence[tuple[Any, ...]], now: float
-    ) -> Iterable[int]:
-        """Insert keyless entries (None, state, request, run_at, priority, ...) in one
-        statement (unique_until NULL: a row without a key holds none); their ids, in their
-        order."""
+    def insert_rows(self, queue: str, entries: Sequence[Insert], now: float) -> Iterable[int]:
+        """Insert keyless entries in one statement (their key and unique_until NULL: a row
+        without a key holds none); their ids, in their order."""
         ...
 
     def write_outcomes(
-        self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
+        self, owner: str, outcomes: Sequence[Outcome], now: float
     ) -> Callable[[], list[str | None]]:
         """Each outcome (see run_batch) only while the row is running under owner's lease and
-        at the outcome's attempt (its last value; None: any), checked in the statement that
+        at the outcome's attempt (None: any), checked in the statement that
         writes it: the state it wrote, or None where the row was no longer so; read by
         calling (as the claim's rows are read, see reads_after_commit)."""
         ...
@@ -380,14 +384,10 @@ def run_batch(
 ) -> BatchResult:
     """Write and ask everything in ``batch`` in one transaction.
 
-    Outcomes are ``("succeeded", id, (result, finished_at, attempt))``,
-    ``("retrying", id, (run_at, type, message, traceback, attempt))``,
-    ``("failed", id, (finished_at, type, message, traceback, attempt))``,
-    ``("cancelled", id, (finished_at, attempt))``, ``("handed_back", id, (run_at, attempt))``
-    and ``("returned", id, (run_at, attempt))`` (claimed, never started); each applies only
-    while the row runs under ``owner``'s lease at that attempt (the row's attempts; None,
-    or left out: whichever), checked in the statement that writes it: a late result of an
-    attempt whose row was rescued is never recorded.
+    Each Outcome applies only while the row runs under ``owner``'s lease at its attempt
+    (the row's attempts; None: whichever), checked in the statement that writes it: a
+    late result of an attempt whose row was rescued is never recorded. What it writes is
+    its kind's OUTCOME_FIELDS, through the kind's SETS.
 
     A batch that claims first lapses the leases of owners whose liveness lock is free, as
     many as it claims (Dialect.mark_dead), so that its claim rescues their rows at once.
@@ -398,8 +398,7 @@ def run_batch(
     and the rest of the batch commits. Without it, any error fails the
     whole batch, and nothing of it is written.
 
-    An insert (key, state, request, run_at, priority, unique_until, ...) finds
-    its key taken if the queue has a live row of the key, or any row of it
+    An Insert finds its key taken if the queue has a live row of the key, or any row of it
     whose unique_until is after the transaction's time: it is then entered as
     (that row's id, False), the live row's first. ``batch.pause`` is written
     before the claim (and a paused queue's claim takes nothing), then
@@ -434,7 +433,7 @@ def run_batch(
         def read() -> None:
             result.applied = applied()
             if claimed is not None:
-                rows = claimed()
+                rows = list(map(_claimed_row, claimed()))
                 rows.sort(key=_claim_order)
                 result.claimed = rows
                 if batch.traces is not None and rows:
@@ -472,14 +471,16 @@ def _write(
     ticks, the attempts started and the outcomes (see run_batch); what the outcomes
     applied is read by calling."""
     inserts, outcomes = batch.inserts, batch.outcomes
-    if any(len(values) == OUTCOME_VALUES[kind] for kind, _, values in outcomes):
-        outcomes = [_with_attempt(outcome) for outcome in outcomes]
-    if shift or any(len(e) < 6 for e in inserts):
-        # The loop's times (an enqueue's run_at and unique_until, an
-        # outcome's) are this process's time.time(): moved onto the store's
-        # clock. An entry without priority and unique_until has 0 and None.
+    if shift:
+        # The loop's times (an enqueue's run_at and unique_until, an outcome's
+        # run_at) are this process's time.time(): moved onto the store's clock.
         inserts = [_shifted_insert(e, shift) for e in inserts]
-        outcomes = [_shifted(outcome, shift) for outcome in outcomes]
+        # serves: pg drain: only the outcomes that write a run_at are made anew (a
+        # success's time is not written: the row ends at the batch's time).
+        if any(o.kind in _RUN_AT_KINDS for o in outcomes):
+            outcomes = [
+                o._replace(at=o.at + shift) if o.kind in _RUN_AT_KINDS else o for o in outcomes
+            ]
     if batch.isolate:
         result.inserted = _insert_isolated(d, queue, inserts, now, result.refused)
     else:
@@ -526,6 +527,11 @@ def _claim(
     return rows, due_and_live
 
 
+# The kinds of outcome whose ``at`` is a run_at the store writes.
+_RUN_AT_KINDS = frozenset((OutcomeKind.RETRYING, OutcomeKind.HANDED_BACK, OutcomeKind.RETURNED))
+_claimed_row = ClaimedRow._make
+
+
 def _write_traces(
     d: Dialect, traces: Sequence[tuple[str, str] | None], inserted: list[tuple[int, bool]]
 ) -> None:
@@ -535,12 +541,10 @@ def _write_traces(
             d.execute(d.statements.set_trace, (trace[0], trace[1] or None, request_id))
 
 
-def _read_traces(
-    d: Dialect, ids: list[int]
-) -> dict[int, tuple[str | None, str | None, str | None, int, str | None]]:
+def _read_traces(d: Dialect, ids: list[int]) -> dict[int, ClaimTrace]:
     """The trace context, key, priority and group of each of the claimed rows ``ids``."""
     rows = d.execute(d.statements.traces_of, (d.listed(ids),)).fetchall()
-    return {row[0]: (row[1], row[2], row[3], row[4], row[5]) for row in rows}
+    return {row[0]: ClaimTrace(row[1], row[2], row[3], row[4], row[5]) for row in rows}
 
 
 def _read_finals(d: Dialect, watched: Sequence[int], result: BatchResult) -> None:
@@ -553,64 +557,49 @@ def _read_finals(d: Dialect, watched: Sequence[int], result: BatchResult) -> Non
     ]
 
 
-def _shifted_insert(entry: tuple[Any, ...], shift: float) -> tuple[Any, ...]:
-    """An insert whose run_at and unique_until are moved by ``shift``, at least six long."""
-    priority = entry[4] if len(entry) > 4 else 0
-    until = entry[5] if len(entry) > 5 else None
+def _shifted_insert(entry: Insert, shift: float) -> Insert:
+    """An insert whose run_at and unique_until are moved by ``shift`` (its ticket left out:
+    the store never reads it)."""
+    until = entry.unique_until
     if until is not None:
         until += shift
-    return (*entry[:3], entry[3] + shift, priority, until, *entry[6:])
+    return Insert(
+        entry.key,
+        entry.state,
+        entry.request,
+        entry.run_at + shift,
+        entry.priority,
+        until,
+        entry.group,
+    )
 
 
-def group_of(entry: tuple[Any, ...]) -> str | None:
-    """The group of a Batch.inserts entry (its 7th item), None without one.
-
-    A caller of before groups put its own object there: anything but a str is no group.
-    """
-    group = entry[6] if len(entry) > 6 else None
-    return group if isinstance(group, str) else None
-
-
-# How many values each kind of outcome has before its attempt.
-OUTCOME_VALUES = {
-    "succeeded": 2,
-    "retrying": 4,
-    "failed": 4,
-    "cancelled": 1,
-    "handed_back": 1,
-    "returned": 1,
+# The fields of an Outcome each kind writes, in the order its SETS reads them (column2
+# on); its attempt and the batch's time follow.
+OUTCOME_FIELDS = {
+    OutcomeKind.SUCCEEDED: ("result", "at"),
+    OutcomeKind.RETRYING: ("at", "error_type", "error_message", "error_traceback"),
+    OutcomeKind.FAILED: ("at", "error_type", "error_message", "error_traceback"),
+    OutcomeKind.CANCELLED: ("at",),
+    OutcomeKind.HANDED_BACK: ("at",),
+    OutcomeKind.RETURNED: ("at",),
 }
 
 
-def _with_attempt(
-    outcome: tuple[str, int, tuple[Any, ...]],
-) -> tuple[str, int, tuple[Any, ...]]:
-    """An outcome given without its attempt, with None: written at whichever attempt."""
-    kind, request_id, values = outcome
-    if len(values) == OUTCOME_VALUES[kind]:
-        return kind, request_id, (*values, None)
-    return outcome
-
-
-def _shifted(
-    outcome: tuple[str, int, tuple[Any, ...]], shift: float
-) -> tuple[str, int, tuple[Any, ...]]:
-    """An outcome whose time (finished_at, or run_at) is moved by ``shift``."""
-    kind, request_id, values = outcome
-    at = 1 if kind == "succeeded" else 0  # (result, finished_at); the others start with it
-    return kind, request_id, (*values[:at], values[at] + shift, *values[at + 1 :])
+# Each kind's values of an Outcome as its statement takes them, before the batch's time:
+# (id, its OUTCOME_FIELDS' values, attempt). serves: pg drain: one C call an outcome.
+OUTCOME_VALUES: dict[OutcomeKind, Callable[[Outcome], tuple[Any, ...]]] = {
+    kind: operator.attrgetter("id", *fields, "attempt") for kind, fields in OUTCOME_FIELDS.items()
+}
 
 
 def _insert(
-    d: Dialect, queue: str, inserts: Sequence[tuple[Any, ...]], now: float
+    d: Dialect, queue: str, inserts: Sequence[Insert], now: float
 ) -> list[tuple[int, bool]]:
-    """Insert in order; requests without a key many to a statement.
-
-    Each entry starts with (key, state, request, run_at, priority, unique_until).
-    """
+    """Insert in order; requests without a key many to a statement."""
     sql = d.statements
     inserted: list[tuple[int, bool]] = []
-    plain: list[tuple[Any, ...]] = []
+    plain: list[Insert] = []
 
     def flush() -> None:
         for start in range(0, len(plain), ROWS_PER_STATEMENT):
@@ -619,7 +608,7 @@ def _insert(
         plain.clear()
 
     for entry in inserts:
-        key = entry[0]
+        key = entry.key
         if key is None:
             plain.append(entry)
             continue
@@ -627,13 +616,13 @@ def _insert(
         params = (
             queue,
             key,
-            entry[1],
-            entry[2],
-            entry[3],
+            entry.state,
+            entry.request,
+            entry.run_at,
             now,
-            entry[4],
-            entry[5],
-            group_of(entry),
+            entry.priority,
+            entry.unique_until,
+            entry.group,
         )
         inserted.append(
             insert_keyed(
@@ -649,9 +638,7 @@ def _insert(
     return inserted
 
 
-def _tick(
-    d: Dialect, queue: str, ticks: Sequence[tuple[str, float, bool, bytes, int]], now: float
-) -> list[int]:
+def _tick(d: Dialect, queue: str, ticks: Sequence[Tick], now: float) -> list[int]:
     """Take each periodic tick (see Batch.ticks) once across processes: the id each enqueued,
     or 0.
 
@@ -662,14 +649,16 @@ def _tick(
     """
     x, sql = d.execute, d.statements
     ticked: list[int] = []
-    for name, tick_at, catch_up, request, priority in ticks:
+    for tick in ticks:
+        name, tick_at = tick.name, tick.tick_at
         if x(sql.tick_insert, (queue, name, tick_at)).fetchone() is not None:
-            enqueue = not catch_up
+            enqueue = not tick.catch_up
         else:
             enqueue = x(sql.tick_advance, (tick_at, queue, name, tick_at)).fetchone() is not None
         request_id = 0
         if enqueue:
-            (request_id,) = d.insert_rows(queue, [(None, "queued", request, now, priority)], now)
+            entry = Insert(None, "queued", tick.request, now, tick.priority)
+            (request_id,) = d.insert_rows(queue, [entry], now)
         ticked.append(request_id)
     return ticked
 
@@ -683,7 +672,7 @@ _RELEASE_SAVEPOINT = "RELEASE SAVEPOINT tickler_row"
 def _insert_isolated(
     d: Dialect,
     queue: str,
-    inserts: Sequence[tuple[Any, ...]],
+    inserts: Sequence[Insert],
     now: float,
     refused: dict[int, str],
 ) -> list[tuple[int, bool]]:
@@ -988,7 +977,7 @@ class QueueReport:
     """The latest failed rows: (id, attempts, error_type, error_message)."""
     paused: bool = False
     """Whether the queue is paused."""
-    limits: dict[str, tuple[int | None, int | None, float]] | None = None
+    limits: dict[str, GroupLimit] | None = None
     """The limits the queue's last batch stored, if any."""
     groups: list[tuple[str, dict[str, int]]] = attrs.Factory(list)
     """The busiest groups: (group, its rows by state of COUNTED_LIVE), the most running
@@ -1061,7 +1050,7 @@ def report(
         for queue, flag in flags.items():
             if flag:
                 by_queue.setdefault(queue, dict.fromkeys(COUNTED, 0))
-    limits: dict[str, dict[str, tuple[int | None, int | None, float]]] = {}
+    limits: dict[str, dict[str, GroupLimit]] = {}
     if groups is not None:
         for queue, text in execute(QUEUE_LIMITS, ()):
             parsed = parse_limits(text)
@@ -1095,7 +1084,7 @@ def report(
 # -- Per-group limits: the claim of a batch with Batch.limits, and its counts
 
 # (concurrency, rate, per) by group name, "*" for the groups not named.
-Limits = Mapping[str, tuple[int | None, int | None, float]]
+Limits = Mapping[str, GroupLimit]
 # What Dialect.due_and_live answers, read by calling: (next due time, live, paused).
 DueAndLive = Callable[[], tuple[float | None, int, bool]]
 # Dialect.claim_by_groups.
@@ -1131,10 +1120,10 @@ class LimitedMemo:
     """The seconds it took."""
 
 
-def normal_limits(limits: Limits) -> dict[str, tuple[int | None, int | None, float]]:
-    """Batch.limits as a dict of plain tuples."""
+def normal_limits(limits: Mapping[str, Sequence[Any]]) -> dict[str, GroupLimit]:
+    """Batch.limits (or limits read back as lists) as a dict of GroupLimit values."""
     return {
-        str(group): (
+        str(group): GroupLimit(
             None if c is None else int(c),
             None if r is None else int(r),
             float(per),
@@ -1152,13 +1141,13 @@ def limits_text(limits: Limits) -> str:
     )
 
 
-def parse_limits(text: str | None) -> dict[str, tuple[int | None, int | None, float]] | None:
+def parse_limits(text: str | None) -> dict[str, GroupLimit] | None:
     """The limits of tickler_queues.limits; None for none, or for text this cannot read."""
     if not text:
         return None
     try:
         found = json.loads(text)
-        return normal_limits({group: tuple(limit) for group, limit in found.items()})
+        return normal_limits(found)
     except (ValueError, TypeError, AttributeError):
         return None
 
@@ -1181,7 +1170,7 @@ class _Slots:
     running: dict[str, int]
     starts: dict[str, list[float]]
 
-    def limit_of(self, group: str) -> tuple[int | None, int | None, float] | None:
+    def limit_of(self, group: str) -> GroupLimit | None:
         found = self.limits.get(group)
         return found if found is not None else self.limits.get("*")
 
@@ -1201,7 +1190,7 @@ class _Slots:
 
     def rated(self, group: str) -> bool:
         limit = self.limit_of(group)
-        return limit is not None and limit[1] is not None
+        return limit is not None and limit.rate is not None
 
     def take(self, group: str) -> None:
         self.running[group] = self.running.get(group, 0) + 1
@@ -1256,7 +1245,7 @@ def _rooms(slots: _Slots, limit: int) -> tuple[list[tuple[str, int]], int]:
     bounds = [limit]
     default = slots.limits.get("*")
     if default is not None:
-        bounds += [bound for bound in default[:2] if bound is not None]
+        bounds += [bound for bound in (default.concurrency, default.rate) if bound is not None]
     return rooms, max(0, min(bounds))
 
 
@@ -1415,7 +1404,7 @@ def _blocked(d: Dialect, queue: str, slots: _Slots, also: set[str]) -> list[str]
     groups = set(slots.running) | set(slots.starts) | also
     groups.update(group for group in slots.limits if group != "*")
     default = slots.limits.get("*")
-    if default is not None and (default[0] == 0 or default[1] == 0):
+    if default is not None and (default.concurrency == 0 or default.rate == 0):
         # Every group not named is blocked, with rows or not: ask which have rows.
         groups.update(group for (group,) in d.execute(d.statements.ready_groups, (queue, queue)))
     return sorted(group for group in groups if slots.room(group) == 0)

@@ -20,7 +20,7 @@ import math
 import types
 import uuid
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import attrs
 import trio
@@ -45,24 +45,41 @@ from .._core import _EMPTY_CONTEXT as _EMPTY
 from .._engine import _Engine
 from .._exceptions import QueueFull, RequestFailed, StoreError, Withdrawn
 from .._ticket import FINAL, Status, Ticket
+from .._values import GroupLimit, Insert, Outcome, OutcomeKind, Tick
 from ._seam import Batch, BatchResult, Row, Session, Store
 
 _T = TypeVar("_T")
 
+_SUCCEEDED_KIND = OutcomeKind.SUCCEEDED
+_RETRYING_KIND = OutcomeKind.RETRYING
+_FAILED_KIND = OutcomeKind.FAILED
+_CANCELLED_KIND = OutcomeKind.CANCELLED
+_HANDED_BACK = OutcomeKind.HANDED_BACK
+_RETURNED = OutcomeKind.RETURNED
+_GIVEN_BACK = (_HANDED_BACK, _RETURNED)
+
 # The outcome an attempt's span gives for each kind of outcome the store writes.
-_TRACED = {"handed_back": "withdrawn"}
+_TRACED = {_HANDED_BACK: "withdrawn"}
+_new = tuple.__new__
+# An Outcome's error fields, for the kinds without an error.
+_NO_ERROR: tuple[None, None, None] = (None, None, None)
 
 # With a store, the most a process claims ahead of its free slots, in capacities.
 _AHEAD = 8
 
 SWEEP_EVERY = 30
 
-# (key text, state, encoded request, run_at, ticket): a Batch's insert as it is.
-# (key, state, request, run_at, priority, unique_until, group, ticket): Batch.inserts' shape,
-# with the ticket the batch's result gives an id to.
-Pending = tuple[str | None, str, bytes, float, int, float | None, str | None, Ticket[Any, Any]]
-# (kind, ticket, values for its row, what the ticket gets once written)
-Outcome = tuple[str, Ticket[Any, Any], tuple[Any, ...], Any]
+
+class Ended(NamedTuple):
+    """An attempt that ended (or a claimed request going back), as this process keeps it
+    until the batch that writes it commits."""
+
+    outcome: Outcome
+    """What the store writes."""
+    ticket: Ticket[Any, Any]
+    local: Any
+    """What the ticket gets once written: a success's decoded result; a failure's
+    (exception, traceback, context); else None."""
 
 
 @attrs.define(eq=False)
@@ -76,10 +93,10 @@ class StoreSync:
     connection: Session | None = None
     limiter: trio.CapacityLimiter = attrs.Factory(lambda: trio.CapacityLimiter(1))
     # Enqueued since the last batch, under the service's lock.
-    pending: list[Pending] = attrs.Factory(list)
-    # Attempts that ended since the last batch: (kind, ticket, values for the
-    # row, what the ticket gets once the row is written).
-    outcomes: list[Outcome] = attrs.Factory(list)
+    # (Each Insert's ticket gets the id the batch's result gives it.)
+    pending: list[Insert] = attrs.Factory(list)
+    # Attempts that ended since the last batch.
+    outcomes: list[Ended] = attrs.Factory(list)
     # This process's tickets by request id: claimed or enqueued here.
     tickets: dict[int, Ticket[Any, Any]] = attrs.Factory(dict)
     # The cancel scope of each running attempt, and why the loop cancelled it.
@@ -124,11 +141,11 @@ class StoreSync:
     pause_wanted: bool | None = None
     # The service's limits by group ("*": the rest), as Batch.limits gives them;
     # and how many ready rows the last claim left waiting for a limit.
-    limits: dict[str, tuple[int | None, int | None, float]] | None = None
+    limits: dict[str, GroupLimit] | None = None
     limited: int = 0
     rated: bool = False  # some group has a rate limit
     # Periodic ticks for the next batch: see Batch.ticks.
-    ticks: list[tuple[str, float, bool, bytes, int]] = attrs.Factory(list)
+    ticks: list[Tick] = attrs.Factory(list)
     # Rows this process's claims rescued, by reason ("owner_died", "lease_lapsed").
     rescued: dict[str, int] = attrs.Factory(dict)
 
@@ -144,7 +161,7 @@ class StoreSync:
             waiting = list(engine._queue)
             engine._queue.clear()
         for ticket in waiting:
-            self.outcomes.append(("returned", ticket, (wall_clock(),), None))
+            self.outcomes.append(_ended(_RETURNED, ticket, wall_clock()))
         if waiting:
             engine._tickle()
 
@@ -181,7 +198,7 @@ class StoreSync:
 
     def build(
         self, lock: Any, claim: int, now: float | None
-    ) -> tuple[Batch, list[Pending], list[Outcome]]:
+    ) -> tuple[Batch, list[Insert], list[Ended]]:
         """The next batch, and what it takes from pending and outcomes (to put back if it fails).
 
         ``now`` is Trio's clock, which schedules the looks.
@@ -203,10 +220,7 @@ class StoreSync:
             pause=self.pause_wanted,
             ticks=ticks,
             limits=self.limits,
-            outcomes=[
-                (kind, ticket.id, (*values, _attempt(kind, ticket)))
-                for kind, ticket, values, _ in outcomes
-            ],
+            outcomes=[ended.outcome for ended in outcomes],
             claim=claim,
             started=started,
             renew=check,
@@ -216,14 +230,14 @@ class StoreSync:
         )
         tracer = self.engine._tracer
         if tracer is not None:
-            batch.traces = tracer.traces_of([entry[7] for entry in pending])
+            batch.traces = tracer.traces_of([entry.ticket for entry in pending])
         if check:
             self.looks_begun += 1
             store = self.store
             self.next_check = now + min(store.lease / 3, store.poll_interval)
         return batch, pending, outcomes
 
-    def put_back(self, lock: Any, pending: list[Pending], outcomes: list[Outcome]) -> None:
+    def put_back(self, lock: Any, pending: list[Insert], outcomes: list[Ended]) -> None:
         """A batch failed: its requests and outcomes go into the next one."""
         with lock:
             self.pending[:0] = pending
@@ -404,8 +418,8 @@ class StoreSync:
     def _apply_batch(
         self,
         result: BatchResult,
-        pending: list[Pending],
-        outcomes: list[Outcome],
+        pending: list[Insert],
+        outcomes: list[Ended],
     ) -> None:
         """A batch committed: give ids, finish tickets, follow what ended elsewhere, take claims."""
         now = self.engine._time()
@@ -421,7 +435,7 @@ class StoreSync:
         self.shift = result.shift
         self.live = result.live
 
-    def _give_ids(self, result: BatchResult, pending: list[Pending], now: float) -> None:
+    def _give_ids(self, result: BatchResult, pending: list[Insert], now: float) -> None:
         """Requests committed: their tickets get ids; a live key's duplicate follows it."""
         engine = self.engine
         refused = result.refused
@@ -431,7 +445,7 @@ class StoreSync:
         else:
             inserted = result.inserted
         for entry, (request_id, new) in zip(pending, inserted, strict=True):
-            ticket = entry[7]
+            ticket = entry.ticket
             ticket.id = request_id
             if new:
                 self.tickets[request_id] = ticket
@@ -448,18 +462,17 @@ class StoreSync:
             if engine._submitters:
                 engine._intake.room.unpark_all()
 
-    def _apply_outcomes(
-        self, outcomes: list[Outcome], applied: list[str | None], now: float
-    ) -> None:
+    def _apply_outcomes(self, outcomes: list[Ended], applied: list[str | None], now: float) -> None:
         """Outcomes written: each ticket gets the state the store wrote (it decides)."""
         engine = self.engine
         # serves: pg drain: what each outcome touches, looked up once a batch.
         discard, forget, watched = self.local.discard, self.tickets.pop, self.watched
-        for (kind, ticket, _, local), state in zip(outcomes, applied, strict=True):
+        for (written, ticket, local), state in zip(outcomes, applied, strict=True):
+            kind = written.kind
             request_id = ticket.id
             discard(request_id)
             if state is None:
-                if kind != "handed_back" and kind != "returned" and not ticket.done:
+                if kind not in _GIVEN_BACK and not ticket.done:
                     # The lease had gone: another process runs the request.
                     forget(request_id, None)
                     watched.setdefault(request_id, []).append(ticket)
@@ -475,13 +488,13 @@ class StoreSync:
             forget(request_id, None)
             if state == "cancelled":  # also a retry or hand-back whose cancel was asked for
                 stopped = engine._stopping.stopped_tickets
-                if kind in ("handed_back", "returned") and ticket in stopped:
+                if kind in _GIVEN_BACK and ticket in stopped:
                     stopped.remove(ticket)  # the stop handed back none of it
-                kind = "cancelled"
-            if kind == "succeeded":
+                kind = _CANCELLED_KIND
+            if kind is _SUCCEEDED_KIND:
                 engine._succeeded += 1
                 engine._finish(ticket, _SUCCEEDED, (now, local))
-            elif kind == "cancelled":
+            elif kind is _CANCELLED_KIND:
                 engine._outcomes.cancelled += 1
                 engine._finish(ticket, _CANCELLED, (now, None))
             else:
@@ -515,9 +528,9 @@ class StoreSync:
         tickets, local_add, decode = self.tickets, self.local.add, self.codec.decode
         taken: list[Ticket[Any, Any]] = []
         for row in result.claimed:
-            request_id, data, attempts, enqueued = row[0], row[1], row[2], row[4]
-            if len(row) > 7 and row[7]:  # rescued, and why
-                self.rescued[row[7]] = self.rescued.get(row[7], 0) + 1
+            request_id, data, attempts, enqueued = row.id, row.request, row.attempts, row[4]
+            if row.rescued:  # and why
+                self.rescued[row.rescued] = self.rescued.get(row.rescued, 0) + 1
             local_add(request_id)
             known = tickets.get(request_id)
             if known is None:
@@ -526,7 +539,7 @@ class StoreSync:
                 except Exception as exc:
                     known = Ticket(None, request_id, _RUNNING, attempts, now, now, _EMPTY)
                     why = (type(exc).__name__, f"cannot decode the request: {exc}", "")
-                    self.record("failed", known, (wall_clock(), *why), (exc, None, _EMPTY))
+                    self.record(_FAILED_KIND, known, wall_clock(), (exc, None, _EMPTY), error=why)
                     continue
                 # Enqueued in the store's time, by another process: on Trio's clock,
                 # no later than now (for the wait time histogram).
@@ -540,7 +553,7 @@ class StoreSync:
                 known.attempts = attempts - 1
             if not engine._may_start:
                 # Claimed by a batch that was under way when a stop began.
-                self.record("returned", known, (wall_clock(),))
+                self.record(_RETURNED, known, wall_clock())
                 continue
             taken.append(known)
         if taken:
@@ -564,9 +577,7 @@ class StoreSync:
             for ticket in self.take_waiters(request_id):
                 engine._finish(ticket, _FAILED, (now, lost, None, None))
 
-    def _refused(
-        self, pending: list[Pending], refused: dict[int, str], now: float
-    ) -> list[Pending]:
+    def _refused(self, pending: list[Insert], refused: dict[int, str], now: float) -> list[Insert]:
         """Requests whose insert the store refused in an isolated batch; the others, in order.
 
         A refused request goes into the next batch once more (the refusal
@@ -574,15 +585,15 @@ class StoreSync:
         its ticket fails with StoreError, which names the store's error.
         """
         engine = self.engine
-        kept: list[Pending] = []
-        again: list[Pending] = []
+        kept: list[Insert] = []
+        again: list[Insert] = []
         failed = False
         for position, entry in enumerate(pending):
             error = refused.get(position)
             if error is None:
                 kept.append(entry)
                 continue
-            ticket = entry[7]
+            ticket = entry.ticket
             if self.refused_once.pop(ticket, None) is None:
                 self.refused_once[ticket] = error
                 again.append(entry)
@@ -637,7 +648,7 @@ class StoreSync:
         for request_id in mine.keys() - self.local:
             # (Its attempt unknown, -1: the hand-back fences on the owner alone.)
             orphan: Ticket[Any, Any] = Ticket(None, request_id, _RUNNING, -1, None, None, _EMPTY)
-            self.outcomes.append(("returned", orphan, (wall_clock(),), None))
+            self.outcomes.append(_ended(_RETURNED, orphan, wall_clock()))
 
     def _drop_claimed(self, ticket: Ticket[Any, Any]) -> None:
         """A request claimed here, whose cancel was asked for before it started.
@@ -646,14 +657,14 @@ class StoreSync:
         with the claim's attempt undone: it never ran.
         """
         engine = self.engine
-        self.outcomes.append(("returned", ticket, (wall_clock(),), None))
+        self.outcomes.append(_ended(_RETURNED, ticket, wall_clock()))
         engine._tickle()
 
     async def _try_batch(
         self,
         batch: Batch,
-        pending: list[Pending],
-        outcomes: list[Outcome],
+        pending: list[Insert],
+        outcomes: list[Ended],
     ) -> BatchResult | None:
         """Run a batch; if it fails, put its work back, count and log it, and return None."""
         engine = self.engine
@@ -714,7 +725,7 @@ class StoreSync:
                         f"service {engine.name!r}: the request could not be committed to the"
                         f" store before the run ended ({self.last_error})"
                     )
-                    engine._outcomes.fail(entry[7], error, None, now)
+                    engine._outcomes.fail(entry.ticket, error, None, now)
             self.committed.set()
             connection, self.connection = self.connection, None
             if connection is not None:
@@ -847,7 +858,7 @@ class StoreSync:
             ticket.id = 0
             engine._last_id += 1
             self.pending.append(
-                (key_text, status.value, data, run_at, priority, unique_until, group, ticket)
+                Insert(key_text, status.value, data, run_at, priority, unique_until, group, ticket)
             )
             self.accepted += 1
             if engine._thread == _get_ident():
@@ -917,7 +928,9 @@ class StoreSync:
                 ticket: Ticket[Any, Any] = Ticket(decoded, 0, status, 0, now, None, context)
                 key_text = key_texts[index] if key_texts else None
                 self.pending.append(
-                    (key_text, status.value, data, run_at, priority, unique_until, group, ticket)
+                    Insert(
+                        key_text, status.value, data, run_at, priority, unique_until, group, ticket
+                    )
                 )
                 tickets.append(ticket)
             engine._last_id += len(tickets)
@@ -934,23 +947,27 @@ class StoreSync:
 
     def record(
         self,
-        kind: str,
+        kind: OutcomeKind,
         ticket: Ticket[Any, Any],
-        values: tuple[Any, ...],
+        at: float,
         local: Any = None,
+        *,
+        result: bytes | None = None,
+        error: tuple[str, str, str] | tuple[None, None, None] = _NO_ERROR,
     ) -> None:
-        """An attempt ended (or a claimed request goes back): the next batch writes it."""
+        """An attempt ended (or a claimed request goes back) at ``at`` (a retry's or a
+        hand-back's: when it is due again): the next batch writes it (see Outcome)."""
         engine = self.engine
-        self.outcomes.append((kind, ticket, values, local))
-        if kind == "handed_back" or kind == "returned":
+        self.outcomes.append(_ended(kind, ticket, at, local, result, error))
+        if kind in _GIVEN_BACK:
             engine._stopping.stopped_tickets.append(ticket)
         if engine._tracer is not None:
             engine._tracer.ended(
                 ticket,
-                _TRACED.get(kind, kind),
-                delay=values[0] - wall_clock() if kind == "retrying" else None,
-                reason="stopped" if kind == "handed_back" else None,
-                error=local[0] if kind == "failed" and local is not None else None,
+                _TRACED.get(kind, kind.value),
+                delay=at - wall_clock() if kind is _RETRYING_KIND else None,
+                reason="stopped" if kind is _HANDED_BACK else None,
+                error=local[0] if kind is _FAILED_KIND and local is not None else None,
             )
         engine._tickle()
 
@@ -962,7 +979,7 @@ class StoreSync:
         late = bool(self.reasons) and self.reasons.pop(ticket.id, None) is not None
         if result is None:
             # What most handlers return: kept as NULL, read back as None.
-            self.record("succeeded", ticket, (None, wall_clock()), None)
+            self.record(_SUCCEEDED_KIND, ticket, wall_clock())
             return late
         try:
             data = self.codec.encode(result)
@@ -979,9 +996,9 @@ class StoreSync:
                 f"the codec cannot encode the result, a {type(result).__name__}: {exc}"
             )
             text = (_storable("TypeError"), _storable(str(error)), _storable(str(error)))
-            self.record("failed", ticket, (wall_clock(), *text), (error, None, context))
+            self.record(_FAILED_KIND, ticket, wall_clock(), (error, None, context), error=text)
             return late
-        self.record("succeeded", ticket, (data, wall_clock()), decoded)
+        self.record(_SUCCEEDED_KIND, ticket, wall_clock(), decoded, result=data)
         return late
 
     def record_failure(
@@ -1006,8 +1023,8 @@ class StoreSync:
                 self.watched.setdefault(ticket.id, []).append(ticket)
                 ticket.status = Status.QUEUED
                 return
-            kind = "cancelled" if exc.reason == "cancelled" else "handed_back"
-            self.record(kind, ticket, (wall_clock(),))
+            kind = _CANCELLED_KIND if exc.reason == "cancelled" else _HANDED_BACK
+            self.record(kind, ticket, wall_clock())
             return
         text = (
             _storable(type(exc).__name__),
@@ -1017,13 +1034,13 @@ class StoreSync:
         retry = engine._outcomes.retry
         if retry is not None and retry.should_retry(ticket.attempts, exc):
             if not engine._may_start:
-                self.record("handed_back", ticket, (wall_clock(),))
+                self.record(_HANDED_BACK, ticket, wall_clock())
                 return
             delay = retry.delay(ticket.attempts)
-            self.record("retrying", ticket, (wall_clock() + delay, *text))
+            self.record(_RETRYING_KIND, ticket, wall_clock() + delay, error=text)
             engine._outcomes.log_retry(ticket, exc, delay, context)
             return
-        self.record("failed", ticket, (wall_clock(), *text), (exc, tb, context))
+        self.record(_FAILED_KIND, ticket, wall_clock(), (exc, tb, context), error=text)
 
 
 # What a row keeps of an attempt's error at most, in characters: its message, and its
@@ -1043,13 +1060,26 @@ def _bounded(text: str, limit: int) -> str:
     return text[:head] + note.format(len(text) - head - tail) + text[-tail:]
 
 
-def _attempt(kind: str, ticket: Ticket[Any, Any]) -> int | None:
-    """The row's attempt an outcome is written for (the store writes it only at that one):
-    a claimed request handed back before it started counts the claim's attempt, which its
-    ticket does not yet; None if unknown."""
-    if ticket.attempts < 0:
-        return None
-    return ticket.attempts + 1 if kind == "returned" else ticket.attempts
+def _ended(
+    kind: OutcomeKind,
+    ticket: Ticket[Any, Any],
+    at: float,
+    local: Any = None,
+    result: bytes | None = None,
+    error: tuple[str, str, str] | tuple[None, None, None] = _NO_ERROR,
+) -> Ended:
+    """An outcome of the ticket's attempt, and what the ticket gets once it is written.
+
+    The store writes it only at the row's attempt it is for: a claimed request handed back
+    before it started counts the claim's attempt, which its ticket does not yet; None if
+    unknown (an attempt of -1).
+    """
+    attempts = ticket.attempts
+    attempt = None if attempts < 0 else attempts + 1 if kind is _RETURNED else attempts
+    # serves: pg drain: every field given, so built as tuples are (skipping the
+    # NamedTuples' __new__ and its defaults: half the time).
+    outcome = _new(Outcome, (kind, ticket.id, at, result, *error, attempt))
+    return _new(Ended, (outcome, ticket, local))
 
 
 def _storable(text: str) -> str:

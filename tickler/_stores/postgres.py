@@ -21,18 +21,21 @@ import attrs
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from .._values import Insert, Outcome, OutcomeKind
 from ._admin import Admin
 from ._pg_listen import Listener
 from ._pg_live import BATCH_LOCK, LIVE_OWNERS, LOCK_KEY, Liveness
-from ._seam import Batch, BatchResult, Claimed, Row
+from ._seam import Batch, BatchResult, Row
 from ._sql import (
     COUNTED_STATE,
     INSERT_COLUMNS,
     KNOWN_QUEUES,
+    OUTCOME_VALUES,
     RESCUE_RETURNED,
     RESCUE_SETS,
     ROW_COLUMNS,
     SETS,
+    Claimed,
     Enqueue,
     EnqueueTracer,
     LimitedMemo,
@@ -42,7 +45,6 @@ from ._sql import (
     cancel,
     counts,
     enqueue_rows,
-    group_of,
     lookup,
     prepare_enqueue,
     report,
@@ -799,17 +801,17 @@ _FINALS = f"{_ROW} WHERE id = ANY(%s::int8[]) AND {_FINAL_STATE}"
 # The SQL type of each value an outcome writes (see _sql.run_batch), after
 # the id and before the batch's time: the arrays unnest() reads them from.
 _OUTCOME_TYPES = {
-    "succeeded": ("bytea", "float8"),
-    "retrying": ("float8", "text", "text", "text"),
-    "failed": ("float8", "text", "text", "text"),
-    "cancelled": ("float8",),
-    "handed_back": ("float8",),
-    "returned": ("float8",),
+    OutcomeKind.SUCCEEDED: ("bytea", "float8"),
+    OutcomeKind.RETRYING: ("float8", "text", "text", "text"),
+    OutcomeKind.FAILED: ("float8", "text", "text", "text"),
+    OutcomeKind.CANCELLED: ("float8",),
+    OutcomeKind.HANDED_BACK: ("float8",),
+    OutcomeKind.RETURNED: ("float8",),
 }
 
 
 @functools.cache
-def _outcome_sql(kind: str) -> str:
+def _outcome_sql(kind: OutcomeKind) -> str:
     """One UPDATE for every outcome of a kind: one text, prepared once, whatever their number.
 
     The arrays go in PostgreSQL's binary format (%b), which psycopg writes about five
@@ -1444,39 +1446,44 @@ class PostgresSession:
         now = float(row[0])
         return now, now - asked_at
 
-    def insert_rows(
-        self, queue: str, entries: Sequence[tuple[Any, ...]], now: float
-    ) -> Iterable[int]:
+    def insert_rows(self, queue: str, entries: Sequence[Insert], now: float) -> Iterable[int]:
         """One INSERT of many rows; their ids read back, since other sessions draw from the
         same sequence."""
         # Only placeholders are formatted into the statement.
         marks = ",".join(["(%s, NULL, %s, %s, %s, %s, %s, NULL, %s)"] * len(entries))
-        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4], group_of(e))]
+        params = [
+            p
+            for e in entries
+            for p in (queue, e.state, e.request, e.run_at, now, e.priority, e.group)
+        ]
         rows = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks} RETURNING id", params).fetchall()
         # One statement allocates ids in the order of its rows.
         return sorted(request_id for (request_id,) in rows)
 
     def write_outcomes(
-        self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
+        self, owner: str, outcomes: Sequence[Outcome], now: float
     ) -> Callable[[], list[str | None]]:
         """One UPDATE per kind: its values as arrays, one per column, joined by unnest().
 
         Their answers are read once the batch has committed: the statements after them go
         out in the same round trip (serves: pg drain, grouped, whose claim reads next).
         """
-        by_kind: dict[str, list[tuple[Any, ...]]] = {}
-        for kind, request_id, values in outcomes:
-            by_kind.setdefault(kind, []).append((request_id, *values, now))
+        by_kind: dict[OutcomeKind, list[Outcome]] = {}
+        for outcome in outcomes:
+            by_kind.setdefault(outcome.kind, []).append(outcome)
         cursors = []
-        for kind, rows in by_kind.items():
+        for kind, some in by_kind.items():
+            # serves: pg drain: each outcome's values by one C call, then a column each.
+            rows = map(OUTCOME_VALUES[kind], some)
             arrays = [list(column) for column in zip(*rows, strict=True)]
+            arrays.append([now] * len(some))
             cursors.append(self.db.execute(_outcome_sql(kind), [*arrays, owner]))
 
         def read() -> list[str | None]:
             applied: dict[int, str] = {}
             for cursor in cursors:
                 applied.update(cursor.fetchall())
-            return [applied.get(request_id) for _, request_id, _ in outcomes]
+            return [applied.get(outcome.id) for outcome in outcomes]
 
         return read
 

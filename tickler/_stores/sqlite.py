@@ -23,18 +23,21 @@ import attrs
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from .._values import Insert, Outcome, OutcomeKind
 from ._admin import Admin, this_process
-from ._seam import Batch, BatchResult, Claimed, Row
+from ._seam import Batch, BatchResult, Row
 from ._sql import (
     COUNTED_STATE,
     INSERT_COLUMNS,
     KNOWN_QUEUES,
     LEASE_LAPSED,
+    OUTCOME_VALUES,
     OWNER_DIED,
     RESCUE_RETURNED,
     RESCUE_SETS,
     ROW_COLUMNS,
     SETS,
+    Claimed,
     Enqueue,
     EnqueueTracer,
     LimitedMemo,
@@ -44,7 +47,6 @@ from ._sql import (
     cancel,
     counts,
     enqueue_rows,
-    group_of,
     lookup,
     prepare_enqueue,
     report,
@@ -983,9 +985,7 @@ class SqliteSession:
         """This process's clock: the file has none of its own."""
         return time.time(), 0.0
 
-    def insert_rows(
-        self, queue: str, entries: Sequence[tuple[Any, ...]], now: float
-    ) -> Iterable[int]:
+    def insert_rows(self, queue: str, entries: Sequence[Insert], now: float) -> Iterable[int]:
         """One INSERT of many rows; their ids counted back from the last.
 
         SQLite gives the rows of one statement consecutive ids: each is one
@@ -995,7 +995,11 @@ class SqliteSession:
         """
         # Only placeholders are formatted into the statement.
         marks = ",".join(["(?, NULL, ?, ?, ?, ?, ?, NULL, ?)"] * len(entries))
-        params = [p for e in entries for p in (queue, e[1], e[2], e[3], now, e[4], group_of(e))]
+        params = [
+            p
+            for e in entries
+            for p in (queue, e.state, e.request, e.run_at, now, e.priority, e.group)
+        ]
         cursor = self.db.execute(f"{INSERT_COLUMNS} VALUES {marks}", params)
         count, last = cursor.rowcount, cursor.lastrowid or 0
         if count != len(entries):
@@ -1003,32 +1007,34 @@ class SqliteSession:
         return range(last - count + 1, last + 1)
 
     def write_outcomes(
-        self, owner: str, outcomes: Sequence[tuple[str, int, tuple[Any, ...]]], now: float
+        self, owner: str, outcomes: Sequence[Outcome], now: float
     ) -> Callable[[], list[str | None]]:
         """One UPDATE per kind of outcome (and per chunk), joined with its rows as VALUES."""
         x = self.db.execute
-        by_kind: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
+        by_kind: dict[OutcomeKind, list[tuple[Any, ...]]] = {}
         # Successes without a result (None is kept as NULL) share every value
         # but the id: one statement over a list of ids, which costs SQLite
         # less per row than a join with VALUES.
         bare: list[tuple[int, int | None]] = []
-        for kind, request_id, values in outcomes:
-            if kind == "succeeded" and values[0] is None:
-                bare.append((request_id, values[-1]))
+        succeeded = OutcomeKind.SUCCEEDED
+        for outcome in outcomes:
+            kind = outcome.kind
+            if kind is succeeded and outcome.result is None:
+                bare.append((outcome.id, outcome.attempt))
             else:
-                by_kind.setdefault(kind, []).append((request_id, values))
+                by_kind.setdefault(kind, []).append((*OUTCOME_VALUES[kind](outcome), now))
         applied: dict[int, str] = {}
         if bare:
             applied.update(x(_SUCCEEDED_BARE, (now, json.dumps(bare), owner)).fetchall())
         for kind, entries in by_kind.items():
-            width = 2 + len(entries[0][1])
+            width = len(entries[0])  # (id, values, attempt, now)
             attempt = f"v.column{width - 1}"
             sets = SETS[kind].format(now=f"v.column{width}")
             per_statement = max(1, 900 // width)
             for start in range(0, len(entries), per_statement):
                 chunk = entries[start : start + per_statement]
                 row = "(" + ",".join("?" * width) + ")"
-                params = [p for request_id, values in chunk for p in (request_id, *values, now)]
+                params = [p for entry in chunk for p in entry]
                 applied.update(
                     x(
                         f"UPDATE tickler_requests SET {sets}, owner = NULL,"  # noqa: S608
@@ -1039,7 +1045,7 @@ class SqliteSession:
                         [*params, owner],
                     ).fetchall()
                 )
-        written = [applied.get(request_id) for _, request_id, _ in outcomes]
+        written = [applied.get(outcome.id) for outcome in outcomes]
         return lambda: written
 
     def mark_started(self, owner: str, ids: Sequence[int], now: float) -> None:
