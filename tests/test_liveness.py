@@ -587,7 +587,7 @@ def test_a_postgres_schema_of_version_3_is_migrated(
         version = db.execute(
             f'SELECT version FROM "{postgres_schema}".tickler_schema'  # noqa: S608
         ).fetchone()
-    assert version == (8,)
+    assert version == (9,)
 
 
 def test_a_postgres_schema_of_version_6_is_migrated_to_an_index_of_groups_without_running_rows(
@@ -639,7 +639,7 @@ def test_a_postgres_schema_of_version_6_is_migrated_to_an_index_of_groups_withou
             f'SELECT group_name, state FROM "{postgres_schema}".tickler_requests'  # noqa: S608
             " WHERE group_name IS NOT NULL"
         ).fetchall()
-    assert version == (8,)
+    assert version == (9,)
     assert grouped == [("g", "queued")]
     fresh = f"{postgres_schema}_fresh"
     tickler.PostgresStore(postgres_dsn, schema=fresh).create_schema()

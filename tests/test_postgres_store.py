@@ -635,3 +635,90 @@ def test_a_tests_owner_ids_are_its_own(postgres_dsn: str, postgres_schema: str) 
         finally:
             session.close()
     assert not result.lost
+
+
+def _schema_shape(dsn: str, schema: str) -> tuple[dict[str, str], list[str]]:
+    """The indexes of tickler_requests (name: definition, the schema's name left out) and
+    the names of its triggers."""
+    with psycopg.connect(dsn, autocommit=True) as db:
+        indexes = {
+            str(name): str(definition).replace(f"{schema}.", "")
+            for name, definition in db.execute(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %s"
+                " AND tablename = 'tickler_requests'",
+                (schema,),
+            )
+        }
+        triggers = sorted(
+            str(name)
+            for (name,) in db.execute(
+                "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal"
+                " AND tgrelid = (quote_ident(%s) || '.tickler_requests')::regclass",
+                (schema,),
+            )
+        )
+    return indexes, triggers
+
+
+def test_a_schema_of_version_8_is_migrated_to_leaner_writes_with_its_rows_and_counts(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Version 9: tickler_by_state without the running rows, the finished rows' index
+    without started_at, no tickler_finished, and the finished requests per minute counted
+    by a row-level trigger (or by the outcome statement) instead of the statement-level
+    one. A schema of version 8 is brought to the very shape of a new one, its rows and its
+    minutes kept; a request ended by a plain UPDATE is counted once, as before."""
+    from tickler._stores import postgres as postgres_store
+
+    fresh = f"{postgres_schema}_fresh"
+    tickler.PostgresStore(postgres_dsn, schema=fresh).create_schema()
+    try:
+        wanted = _schema_shape(postgres_dsn, fresh)
+    finally:
+        with psycopg.connect(postgres_dsn, autocommit=True) as db:
+            db.execute(f'DROP SCHEMA "{fresh}" CASCADE')
+    tickler.PostgresStore(postgres_dsn, schema=postgres_schema).create_schema()
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:  # as version 8 had it
+        db.execute(f'SET search_path TO "{postgres_schema}"')
+        db.execute("DROP INDEX tickler_by_state")
+        db.execute("DROP INDEX tickler_finished_by_queue")
+        db.execute("DROP TRIGGER tickler_count_finished_row ON tickler_requests")
+        db.execute("DROP FUNCTION tickler_count_finished_row()")
+        db.execute(
+            "CREATE INDEX tickler_finished ON tickler_requests (finished_at)"
+            " WHERE state IN ('succeeded', 'failed', 'cancelled')"
+        )
+        for statement in postgres_store._statements(postgres_store._V4):
+            db.execute(statement)
+        db.execute("UPDATE tickler_schema SET version = 8")
+        db.execute(
+            "INSERT INTO tickler_requests (queue, state, request, run_at, enqueued_at, owner)"
+            " VALUES ('jobs', 'running', '\"a\"', 0, 0, 'me'),"
+            " ('jobs', 'running', '\"b\"', 0, 0, 'me')"
+        )
+        now = db.execute("SELECT extract(epoch FROM now())::float8").fetchone()[0]  # type: ignore[index]
+        db.execute(  # counted by version 8's trigger
+            "UPDATE tickler_requests SET state = 'succeeded', finished_at = %s, owner = NULL"
+            " WHERE request = '\"a\"'",
+            (now,),
+        )
+    assert _schema_shape(postgres_dsn, postgres_schema) != wanted
+    store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema)
+    store.create_schema()
+    store.create_schema()  # again: nothing to do
+    assert _schema_shape(postgres_dsn, postgres_schema) == wanted
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        db.execute(f'SET search_path TO "{postgres_schema}"')
+        version = db.execute("SELECT version FROM tickler_schema").fetchone()
+        db.execute(  # counted by version 9's row-level trigger
+            "UPDATE tickler_requests SET state = 'failed', finished_at = %s, owner = NULL"
+            " WHERE request = '\"b\"'",
+            (now,),
+        )
+        rows = db.execute("SELECT request, state FROM tickler_requests ORDER BY id").fetchall()
+        minutes = db.execute(
+            "SELECT queue, minute, owner, succeeded, failed FROM tickler_minutes"
+        ).fetchall()
+    assert version == (postgres_store.SCHEMA_VERSION,) == (9,)
+    assert rows == [(b'"a"', "succeeded"), (b'"b"', "failed")]
+    assert minutes == [("jobs", int(now // 60), "me", 1, 1)]

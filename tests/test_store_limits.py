@@ -770,7 +770,7 @@ def test_a_postgres_schema_of_version_2_is_migrated(
                 "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (postgres_schema,)
             )
         }
-    assert version == (8,)
+    assert version == (9,)
     assert {
         "tickler_groups",
         "tickler_starts_by_group",
@@ -778,8 +778,8 @@ def test_a_postgres_schema_of_version_2_is_migrated(
         "tickler_by_group",
     } <= indexes
     # v3 -> v4 (admin), v5 (traces), v6 (rescues), v7 (a group's index without running rows),
-    # v8 (the replicas' hosts and pids)
-    assert postgres_store.SCHEMA_VERSION == 8
+    # v8 (the replicas' hosts and pids), v9 (leaner writes of a drain)
+    assert postgres_store.SCHEMA_VERSION == 9
 
 
 def check_migrated(store: Any) -> None:

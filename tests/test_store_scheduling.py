@@ -822,5 +822,6 @@ def test_a_postgres_schema_of_version_1_is_migrated(
 
     store = tickler.PostgresStore(postgres_dsn, schema=postgres_schema, **FAST)
     check_migrated(store, version, SCHEMA_VERSION)
-    # v2 scheduling, v3 limits, v4 admin, v5 traces, v6 rescues, v7 group index without running
-    assert SCHEMA_VERSION == 8
+    # v2 scheduling, v3 limits, v4 admin, v5 traces, v6 rescues, v7 group index without running,
+    # v8 replicas, v9 leaner writes of a drain
+    assert SCHEMA_VERSION == 9

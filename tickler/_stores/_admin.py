@@ -6,7 +6,8 @@ over an :class:`AdminDialect`: the store's session, which says its placeholder, 
 words of its partial index of ready rows. The dialects keep no SQL of the admin's but for
 those words; the indexes the admin reads on are each store's own (see the stores'
 schemas: tickler_by_state, tickler_by_group, tickler_finished_by_queue), and so is the
-trigger that counts the requests finished per minute into tickler_minutes.
+counting of the requests finished per minute into tickler_minutes (a trigger; on
+PostgreSQL also the outcome statements of the batches).
 
 Cancel and lookup are the service's own (_sql.cancel, _sql.lookup): a running request's
 cancel is asked of its owner, whose next look at its leases (within one poll_interval)
@@ -32,7 +33,7 @@ import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
 from .._exceptions import KeyTaken
-from ._sql import COUNTED, KNOWN_QUEUES, RESCUE_REASONS, Dialect, cancel, limited_now
+from ._sql import COUNTED, RESCUE_REASONS, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
 
@@ -317,7 +318,7 @@ def _state_is(state: str) -> str:
 
 
 def _queues(d: AdminDialect) -> list[str]:
-    return sorted(str(name) for (name,) in d.execute(KNOWN_QUEUES, ()))
+    return sorted(str(name) for (name,) in d.execute(d.statements.known_queues, ()))
 
 
 def _row(d: AdminDialect, queue: str, id_or_key: object) -> tuple[Any, ...] | None:
@@ -367,9 +368,9 @@ def _page(d: AdminDialect, queue: str, f: _Filter, after: int | None, limit: int
 
 def _count_where(d: AdminDialect, queue: str, f: _Filter) -> int:
     where, params = f.where(d.mark, queue)
-    if f.group is not None and f.state is None:
-        # A group's running rows and its others apart, each read on an index that holds
-        # them (tickler_by_group holds no running rows on PostgreSQL).
+    if f.state is None and f.key is None:
+        # The running rows and the others apart, each read on an index that holds them
+        # (tickler_by_group and tickler_by_state hold no running rows on PostgreSQL).
         sql = (
             f"SELECT (SELECT count(*) FROM tickler_requests WHERE {where} AND {_IDLE})"
             f" + (SELECT count(*) FROM tickler_requests WHERE {where} AND {_RUNNING})"

@@ -231,6 +231,9 @@ class Statements:
     """(queue, limit): (group_name, then a count for each state of COUNTED_LIVE) of the
     queue's groups with live rows, the most running (or claimed) first, then the most of
     the other live states, then by name: as busiest_groups() writes it."""
+    known_queues: str = attrs.field(factory=lambda: KNOWN_QUEUES)
+    """(): every queue the store knows, by name (KNOWN_QUEUES, unless the store's indexes
+    call for other words)."""
 
 
 class Dialect(Protocol):
