@@ -22,19 +22,15 @@ import attrs
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
 from .._core import _check_delay, check_unique_for
 from .._exceptions import StoreError
+from .._states import CLAIMED, COUNTED, COUNTED_LIVE
 from .._values import ClaimedRow, ClaimTrace, GroupLimit, Insert, Outcome, OutcomeKind, Tick
 from ._seam import Batch, BatchResult, Row
 
-# Live states hold their key; ready states may be claimed once run_at has come.
-LIVE = ("queued", "scheduled", "running", "retrying")
-FINAL = ("succeeded", "failed", "cancelled")
-# What statistics() counts: the states, with the running rows claimed ahead
-# of a free slot (started_at still NULL) on their own.
-COUNTED = ("queued", "scheduled", "claimed", "running", "retrying", *FINAL)
+# The sets of states statistics() and inspect count by: tickler/_states.py's.
 # The state statistics() counts a row under, as an SQL expression.
-COUNTED_STATE = "CASE WHEN state = 'running' AND started_at IS NULL THEN 'claimed' ELSE state END"
-# The live states among them: what a group's line of ``inspect`` counts.
-COUNTED_LIVE = tuple(state for state in COUNTED if state not in FINAL)
+COUNTED_STATE = (
+    f"CASE WHEN state = 'running' AND started_at IS NULL THEN '{CLAIMED}' ELSE state END"
+)
 
 # What each outcome sets, from the columns of a row v of its values: column1
 # is the id, then the outcome's values (OUTCOME_FIELDS), then its attempt, then {now},
