@@ -825,3 +825,60 @@ def test_a_postgres_schema_of_version_1_is_migrated(
     # v2 scheduling, v3 limits, v4 admin, v5 traces, v6 rescues, v7 group index without running,
     # v8 replicas, v9 leaner writes of a drain
     assert SCHEMA_VERSION == 9
+
+
+def _full(room: int, asked: int, bound: int) -> str:
+    return (
+        rf"^service 'jobs' has room for {room} more requests, not {asked}"
+        rf" \(max_queue_length {bound}\); none was enqueued$"
+    )
+
+
+async def test_a_full_queue_is_refused_alike_on_every_path(backend: Backend) -> None:
+    """In memory or with a store, one request or many, delayed or not: one wording."""
+    memory = tickler.Service(double, name="jobs", max_queue_length=2)
+    memory.enqueue_request(1)
+    with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
+        memory.enqueue_many([2, 3])
+    memory.enqueue_request(2, delay=5)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        memory.enqueue_request(3)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        memory.enqueue_request(3, delay=5)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        memory.enqueue_many([3])
+    async with tickler.open_service(
+        double, store=backend.store(), name="jobs", max_queue_length=2
+    ) as stored:
+        # No checkpoint between the enqueues: both wait to be committed.
+        stored.enqueue_request(1)
+        with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
+            stored.enqueue_many([2, 3])
+        stored.enqueue_request(2, delay=5)
+        with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+            stored.enqueue_request(3)
+        with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+            stored.enqueue_many([3])
+
+
+CLOSED = r"^service 'jobs' is closed$"
+
+
+async def test_a_closed_service_is_refused_alike_on_every_path(backend: Backend) -> None:
+    """After a stop, in memory or with a store, an enqueue and a run get one wording."""
+    memory = tickler.Service(double, name="jobs")
+    await memory.stop()
+    with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+        memory.enqueue_request(1)
+    with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+        memory.enqueue_many([1])
+    with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+        await memory.run()
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as stored:
+        await stored.stop()
+        with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+            stored.enqueue_request(3)
+        with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+            stored.enqueue_many([3])
+        with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+            await stored.submit(3)
