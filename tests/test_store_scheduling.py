@@ -882,3 +882,39 @@ async def test_a_closed_service_is_refused_alike_on_every_path(backend: Backend)
             stored.enqueue_many([3])
         with pytest.raises(tickler.ServiceClosed, match=CLOSED):
             await stored.submit(3)
+
+
+PRIORITY_TYPE = r"^priority must be an int, not float$"
+PRIORITY_RANGE = r"^priority must be between -2147483648 and 2147483647$"
+
+
+@pytest.mark.parametrize(
+    ("priority", "error", "message"),
+    [(1.0, TypeError, PRIORITY_TYPE), (2**31, ValueError, PRIORITY_RANGE)],
+)
+async def test_a_bad_priority_is_refused_alike_on_every_path(
+    backend: Backend, store: Any, priority: Any, error: type[Exception], message: str
+) -> None:
+    """A priority that is not an int, or past a 32-bit int, is refused with one message by
+    every path that takes one, before anything is written."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(error, match=message):
+            store.enqueue_in(connection, "jobs", 1, priority=priority)
+        with pytest.raises(error, match=message):
+            store.enqueue_many_in(connection, "jobs", [1, 2], priority=priority)
+        connection.commit()
+    with pytest.raises(error, match=message):
+        tickler.Periodic("tick", 1, every=60, priority=priority)
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as service:
+        with pytest.raises(error, match=message):
+            service.enqueue_request(1, priority=priority)
+        with pytest.raises(error, match=message):
+            service.enqueue_many([1, 2], priority=priority)
+        with pytest.raises(error, match=message):
+            await service.submit(1, priority=priority)
+    memory = tickler.Service(double, name="jobs")
+    with pytest.raises(error, match=message):
+        memory.enqueue_request(1, priority=priority)
+    with pytest.raises(error, match=message):
+        memory.enqueue_many([1, 2], priority=priority)
+    assert backend.rows() == []

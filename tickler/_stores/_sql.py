@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import attrs
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
-from .._core import _check_delay, check_unique_for
+from .._core import _check_delay, _one_line, check_priority, check_unique_for
 from .._exceptions import StoreError
 from .._states import CLAIMED, COUNTED, COUNTED_LIVE
 from .._values import ClaimedRow, ClaimTrace, GroupLimit, Insert, Outcome, OutcomeKind, Tick
@@ -124,10 +124,6 @@ RESCUE_SETS = (
 # What a claim returns after the priority: the reason if this claim rescued the row,
 # else NULL ({now}: the claim's time, as in RESCUE_SETS). RETURNING reads the new values.
 RESCUE_RETURNED = "CASE WHEN rescued_at = {now} THEN rescued END"
-
-
-# What PostgreSQL's integer column holds: a priority must fit it.
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 @attrs.frozen
@@ -699,12 +695,6 @@ def _insert_isolated(
     return inserted
 
 
-def _one_line(exc: BaseException) -> str:
-    """``ExcType: message`` on one line."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def insert_keyed(
     execute: Callable[[str, Any], Any],
     insert: str,
@@ -779,16 +769,6 @@ class Enqueue:
     """This process's clock when it was prepared."""
     group: str | None = None
     """The group of every request, or None."""
-
-
-def check_priority(priority: object) -> int:
-    """A priority, checked: an int (not a bool) in PostgreSQL's integer range."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise TypeError("priority must be an int")
-    low, high = PRIORITY_RANGE
-    if not low <= priority <= high:
-        raise ValueError(f"priority must be from {low} to {high}")
-    return priority
 
 
 def prepare_enqueue(
