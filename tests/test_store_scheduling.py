@@ -918,3 +918,33 @@ async def test_a_bad_priority_is_refused_alike_on_every_path(
     with pytest.raises(error, match=message):
         memory.enqueue_many([1, 2], priority=priority)
     assert backend.rows() == []
+
+
+@pytest.mark.parametrize(
+    ("queue", "error", "message"),
+    [
+        (7, TypeError, r"^queue must be a str, not int$"),
+        (
+            "a\x00b",
+            ValueError,
+            r"^queue must not contain NUL characters: it names the store's queue$",
+        ),
+    ],
+)
+async def test_a_bad_queue_name_is_refused_alike_on_every_path(
+    backend: Backend, store: Any, queue: Any, error: type[Exception], message: str
+) -> None:
+    """The stores' enqueue_in and enqueue_many_in, and the admin, refuse a queue name with
+    one message."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(error, match=message):
+            store.enqueue_in(connection, queue, 1)
+        with pytest.raises(error, match=message):
+            store.enqueue_many_in(connection, queue, [1, 2])
+        connection.commit()
+    async with store.admin() as admin:
+        with pytest.raises(error, match=message):
+            await admin.counts(queue)
+        with pytest.raises(error, match=message):
+            await admin.pause(queue)
+    assert backend.rows() == []

@@ -222,10 +222,7 @@ class AdminDialect(Dialect, Protocol):
 
 
 def _check_queue(queue: object) -> str:
-    if not isinstance(queue, str):
-        raise TypeError(f"queue must be a str, not {type(queue).__name__}")
-    check_queue_name(queue, "queue")
-    return queue
+    return check_queue_name(queue, "queue")
 
 
 # A request's id, as every store numbers them (PostgreSQL's bigint, SQLite's integer).

@@ -786,8 +786,6 @@ def prepare_enqueue(
 
     ``key`` gives each request's key (or None); None: no request has one.
     """
-    if not isinstance(queue, str):
-        raise TypeError("queue must be a str")
     check_queue_name(queue, "queue")
     checked_priority = check_priority(priority)
     hold = check_unique_for(unique_for, key)
