@@ -86,6 +86,11 @@ def _check_key(key: object) -> None:
         raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
 
 
+# The largest id of a request, as every store numbers them (PostgreSQL's bigint, SQLite's
+# integer): a larger int names no request.
+MAX_ID = 2**63 - 1
+
+
 # What a priority may be: PostgreSQL's integer column holds it.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 

@@ -32,6 +32,7 @@ import attrs
 import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
+from .._core import MAX_ID
 from .._exceptions import KeyTaken
 from .._states import CLAIMED, COUNTED, ENDED, LIVE, READY, RETRYABLE, STATES, sql_in
 from ._sql import RESCUE_REASONS, Dialect, cancel, limited_now
@@ -223,10 +224,6 @@ class AdminDialect(Dialect, Protocol):
 
 def _check_queue(queue: object) -> str:
     return check_queue_name(queue, "queue")
-
-
-# A request's id, as every store numbers them (PostgreSQL's bigint, SQLite's integer).
-MAX_ID = 2**63 - 1
 
 
 def _check_int(value: object, name: str, low: int, high: int, what: str = "") -> int:

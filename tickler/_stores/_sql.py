@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import attrs
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
-from .._core import _check_delay, _one_line, check_priority, check_unique_for
+from .._core import MAX_ID, _check_delay, _one_line, check_priority, check_unique_for
 from .._exceptions import StoreError
 from .._states import CLAIMED, COUNTED, COUNTED_LIVE
 from .._values import ClaimedRow, ClaimTrace, GroupLimit, Insert, Outcome, OutcomeKind, Tick
@@ -886,7 +886,7 @@ def lookup(d: Dialect, queue: str, id_or_key: object) -> Row | None:
     """The queue's row of an id, or of a key (its live row first, else its latest)."""
     sql = d.statements
     if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-        if not 0 < id_or_key < 2**63:
+        if not 0 < id_or_key <= MAX_ID:
             return None
         found = d.execute(sql.row_by_id, (queue, id_or_key))
     else:
@@ -904,7 +904,7 @@ def cancel(d: Dialect, queue: str, id_or_key: object) -> tuple[bool, int | None]
     d.begin()
     try:
         if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-            if not 0 < id_or_key < 2**63:
+            if not 0 < id_or_key <= MAX_ID:
                 d.commit()
                 return False, None
             row = x(sql.live_by_id, (queue, id_or_key)).fetchone()

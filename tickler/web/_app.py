@@ -36,6 +36,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .._core import MAX_ID  # the largest id (and count) a page takes
 from .._exceptions import KeyTaken
 from .._states import CLAIMED, COUNTED, FINAL, LIVE, READY, RETRYABLE, STATES
 from .._stores._admin import COUNT_CAP, Admin
@@ -64,8 +65,6 @@ BULK_STATES = {"cancel": LIVE, "retry": RETRYABLE}
 PAGE_SIZE = 50
 CSRF_COOKIE = "tickler_csrf"
 CSRF_FIELD = "csrf"
-# The largest id (and count) a page takes: a store's ids are 64-bit signed integers.
-MAX_ID = 2**63 - 1
 MAX_FORM_BYTES = 64 * 1024
 REFRESH_SECONDS = 5
 # The host names every dashboard answers to, besides the address the connection came in
