@@ -66,7 +66,11 @@ async def test_a_delayed_request_counts_against_max_queue_length() -> None:
     service = tickler.Service(sleeper, max_queue_length=2)
     service.enqueue_request(1.0, delay=5)
     service.enqueue_request(1.0, delay=5)
-    with pytest.raises(tickler.QueueFull, match=r"already has 0 queued and 2 scheduled requests"):
+    with pytest.raises(
+        tickler.QueueFull,
+        match=r"^service 'tickler' has room for 0 more requests, not 1 \(max_queue_length 2\);"
+        r" none was enqueued$",
+    ):
         service.enqueue_request(1.0)
     with pytest.raises(tickler.QueueFull):
         service.enqueue_request(1.0, delay=1)

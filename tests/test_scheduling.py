@@ -179,7 +179,11 @@ async def test_enqueue_many_is_all_or_nothing(
         tickets = service.enqueue_many(["a", "b", "c"])
         assert [t.request for t in tickets] == ["a", "b", "c"]
         assert [t.id for t in tickets] == [2, 3, 4]
-        with pytest.raises(tickler.QueueFull, match="room for 2 more requests, not 3"):
+        with pytest.raises(
+            tickler.QueueFull,
+            match=r"^service 'tickler' has room for 2 more requests, not 3"
+            r" \(max_queue_length 5\); none was enqueued$",
+        ):
             service.enqueue_many(["d", "e", "f"])
         assert service.statistics().queued == 3
         assert service.statistics().rejected == 3
@@ -409,7 +413,11 @@ async def test_enqueue_many_and_unique_for_with_a_store(tmp_path: Path) -> None:
         return request.upper()
 
     async with tickler.open_service(handler, store=store, max_queue_length=4) as service:
-        with pytest.raises(tickler.QueueFull, match="none was enqueued"):
+        with pytest.raises(
+            tickler.QueueFull,
+            match=r"^service 'tickler' has room for 4 more requests, not 5"
+            r" \(max_queue_length 4\); none was enqueued$",
+        ):
             service.enqueue_many(["a", "b", "c", "d", "e"])
         tickets = service.enqueue_many(["a", "b", "a"], key=lambda r: r, unique_for=3600)
         assert [await ticket.wait() for ticket in tickets] == ["A", "B", "A"]

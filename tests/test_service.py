@@ -153,7 +153,9 @@ async def test_queue_full_is_refused_at_once() -> None:
     for i in range(3):
         service.enqueue_request(i)
     with pytest.raises(
-        tickler.QueueFull, match=r"^service 'tickler' already has 3 queued requests$"
+        tickler.QueueFull,
+        match=r"^service 'tickler' has room for 0 more requests, not 1 \(max_queue_length 3\);"
+        r" none was enqueued$",
     ):
         service.enqueue_request(3)
     assert isinstance(tickler.QueueFull(), tickler.TicklerError)

@@ -182,7 +182,7 @@ async def test_stop_before_run_cancels_the_queue() -> None:
     tickets = [service.enqueue_request(i) for i in range(3)]
     assert await service.stop() == tickets
     assert all(t.status is tickler.Status.CANCELLED for t in tickets)
-    with pytest.raises(tickler.ServiceClosed, match=r"was stopped before it ran$"):
+    with pytest.raises(tickler.ServiceClosed, match=r"^service 'tickler' is closed$"):
         await service.run()
     check_identity(service.statistics())
 

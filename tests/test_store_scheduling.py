@@ -825,3 +825,126 @@ def test_a_postgres_schema_of_version_1_is_migrated(
     # v2 scheduling, v3 limits, v4 admin, v5 traces, v6 rescues, v7 group index without running,
     # v8 replicas, v9 leaner writes of a drain
     assert SCHEMA_VERSION == 9
+
+
+def _full(room: int, asked: int, bound: int) -> str:
+    return (
+        rf"^service 'jobs' has room for {room} more requests, not {asked}"
+        rf" \(max_queue_length {bound}\); none was enqueued$"
+    )
+
+
+async def test_a_full_queue_is_refused_alike_on_every_path(backend: Backend) -> None:
+    """In memory or with a store, one request or many, delayed or not: one wording."""
+    memory = tickler.Service(double, name="jobs", max_queue_length=2)
+    memory.enqueue_request(1)
+    with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
+        memory.enqueue_many([2, 3])
+    memory.enqueue_request(2, delay=5)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        memory.enqueue_request(3)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        memory.enqueue_request(3, delay=5)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        memory.enqueue_many([3])
+    async with tickler.open_service(
+        double, store=backend.store(), name="jobs", max_queue_length=2
+    ) as stored:
+        # No checkpoint between the enqueues: both wait to be committed.
+        stored.enqueue_request(1)
+        with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
+            stored.enqueue_many([2, 3])
+        stored.enqueue_request(2, delay=5)
+        with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+            stored.enqueue_request(3)
+        with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+            stored.enqueue_many([3])
+
+
+CLOSED = r"^service 'jobs' is closed$"
+
+
+async def test_a_closed_service_is_refused_alike_on_every_path(backend: Backend) -> None:
+    """After a stop, in memory or with a store, an enqueue and a run get one wording."""
+    memory = tickler.Service(double, name="jobs")
+    await memory.stop()
+    with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+        memory.enqueue_request(1)
+    with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+        memory.enqueue_many([1])
+    with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+        await memory.run()
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as stored:
+        await stored.stop()
+        with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+            stored.enqueue_request(3)
+        with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+            stored.enqueue_many([3])
+        with pytest.raises(tickler.ServiceClosed, match=CLOSED):
+            await stored.submit(3)
+
+
+PRIORITY_TYPE = r"^priority must be an int, not float$"
+PRIORITY_RANGE = r"^priority must be between -2147483648 and 2147483647$"
+
+
+@pytest.mark.parametrize(
+    ("priority", "error", "message"),
+    [(1.0, TypeError, PRIORITY_TYPE), (2**31, ValueError, PRIORITY_RANGE)],
+)
+async def test_a_bad_priority_is_refused_alike_on_every_path(
+    backend: Backend, store: Any, priority: Any, error: type[Exception], message: str
+) -> None:
+    """A priority that is not an int, or past a 32-bit int, is refused with one message by
+    every path that takes one, before anything is written."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(error, match=message):
+            store.enqueue_in(connection, "jobs", 1, priority=priority)
+        with pytest.raises(error, match=message):
+            store.enqueue_many_in(connection, "jobs", [1, 2], priority=priority)
+        connection.commit()
+    with pytest.raises(error, match=message):
+        tickler.Periodic("tick", 1, every=60, priority=priority)
+    async with tickler.open_service(double, store=backend.store(), name="jobs") as service:
+        with pytest.raises(error, match=message):
+            service.enqueue_request(1, priority=priority)
+        with pytest.raises(error, match=message):
+            service.enqueue_many([1, 2], priority=priority)
+        with pytest.raises(error, match=message):
+            await service.submit(1, priority=priority)
+    memory = tickler.Service(double, name="jobs")
+    with pytest.raises(error, match=message):
+        memory.enqueue_request(1, priority=priority)
+    with pytest.raises(error, match=message):
+        memory.enqueue_many([1, 2], priority=priority)
+    assert backend.rows() == []
+
+
+@pytest.mark.parametrize(
+    ("queue", "error", "message"),
+    [
+        (7, TypeError, r"^queue must be a str, not int$"),
+        (
+            "a\x00b",
+            ValueError,
+            r"^queue must not contain NUL characters: it names the store's queue$",
+        ),
+    ],
+)
+async def test_a_bad_queue_name_is_refused_alike_on_every_path(
+    backend: Backend, store: Any, queue: Any, error: type[Exception], message: str
+) -> None:
+    """The stores' enqueue_in and enqueue_many_in, and the admin, refuse a queue name with
+    one message."""
+    with backend.connect(autocommit=False) as connection:
+        with pytest.raises(error, match=message):
+            store.enqueue_in(connection, queue, 1)
+        with pytest.raises(error, match=message):
+            store.enqueue_many_in(connection, queue, [1, 2])
+        connection.commit()
+    async with store.admin() as admin:
+        with pytest.raises(error, match=message):
+            await admin.counts(queue)
+        with pytest.raises(error, match=message):
+            await admin.pause(queue)
+    assert backend.rows() == []

@@ -10,6 +10,7 @@ no private attribute of a service.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import tickler
+from tickler import _states
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tickler"
 
@@ -225,3 +227,114 @@ def test_the_lazy_names_load_on_first_use() -> None:
     ]
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         tickler.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
+
+
+# -- the request states: one table (tickler/_states.py), read by every part
+
+# What a quoted word in SQL that names a state may also be: the reasons of a rescue
+# (see tickler/_stores/_sql.py), the other labels of a queue's counts ('paused',
+# 'rescued_' and a reason), and SQLite's 'now'.
+_NOT_STATES = {"owner_died", "lease_lapsed", "paused", "rescued_", "now"}
+_NAMED_SETS = {
+    "LIVE": _states.LIVE,
+    "READY": _states.READY,
+    "FINAL": _states.FINAL,
+    "ENDED": _states.ENDED,
+    "RETRYABLE": _states.RETRYABLE,
+}
+_IN_LIST = re.compile(r"\bstate\s+(?:NOT\s+)?IN\s*\(([^)]*)\)", re.IGNORECASE)
+_OR_LIST = re.compile(r"\((state = '\w+'(?: OR state = '\w+')+)\)")
+
+
+def _sql_strings() -> list[tuple[str, int, str]]:
+    """(file, line, text) of each string of tickler's source that mentions a state column:
+    SQL, or a part of an f-string of SQL."""
+    return [
+        (str(path.relative_to(PACKAGE)), node.lineno, node.value)
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "_states.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.search(r"\bstate\b", node.value)
+    ]
+
+
+def _templates() -> list[tuple[str, str]]:
+    return [
+        (path.name, path.read_text()) for path in sorted((PACKAGE / "web" / "templates").glob("*"))
+    ]
+
+
+def test_the_table_of_states() -> None:
+    assert tuple(status.value for status in tickler.Status) == _states.STATES
+    assert tickler.Status is _states.Status
+    states = set(_states.STATES)
+    for name, named in _NAMED_SETS.items():
+        assert set(named) <= states, name
+        assert len(set(named)) == len(named), name
+        assert list(named) == [s for s in _states.STATES if s in named], f"{name}: in life order"
+    assert set(_states.LIVE) | set(_states.FINAL) == states
+    assert not set(_states.LIVE) & set(_states.FINAL)
+    assert set(_states.READY) == set(_states.LIVE) - {"running"}
+    assert set(_states.ENDED) | set(_states.RETRYABLE) == set(_states.FINAL)
+    assert _states.CLAIMED not in states
+    assert [s for s in _states.COUNTED if s != _states.CLAIMED] == list(_states.STATES)
+    assert {tickler.Status(s) for s in _states.FINAL} == _states.FINAL_STATUSES
+    assert _states.sql_in(_states.FINAL) == "state IN ('succeeded', 'failed', 'cancelled')"
+    assert _states.sql_in(["running"]) == "state = 'running'"
+    assert _states.sql_any(_states.READY) == (
+        "(state = 'queued' OR state = 'scheduled' OR state = 'retrying')"
+    )
+    with pytest.raises(ValueError, match="'canceled' is not a state of tickler"):
+        _states.sql_in(["canceled"])
+
+
+def test_every_state_in_sql_is_a_state_of_the_table() -> None:
+    """Each quoted word of SQL that mentions ``state`` is a state of tickler/_states.py (or
+    "claimed", or one of the few other words that SQL quotes); each list of states it
+    tests against is a named set, written as the table renders it. The partial indexes'
+    predicates stay literal (their text is the schema's), and so are checked here."""
+    allowed = {*_states.STATES, _states.CLAIMED, *_NOT_STATES}
+    named = {tuple(states): name for name, states in _NAMED_SETS.items()}
+    strays = []
+    for where, line, text in _sql_strings():
+        strays += [
+            f"{where}:{line}: {word!r}"
+            for word in re.findall(r"'([A-Za-z_]+)'", text)
+            if word not in allowed
+        ]
+        for match in _IN_LIST.finditer(text):
+            listed = tuple(re.findall(r"'([A-Za-z_]+)'", match.group(1)))
+            if listed not in named or match.group(1) != _states.sql_in(listed)[10:-1]:
+                strays.append(f"{where}:{line}: {match.group(0)} is not a named set's SQL")
+        for match in _OR_LIST.finditer(text):
+            listed = tuple(re.findall(r"'([A-Za-z_]+)'", match.group(1)))
+            if listed not in named or match.group(0) != _states.sql_any(listed):
+                strays.append(f"{where}:{line}: {match.group(0)} is not a named set's SQL")
+    assert strays == []
+
+
+def test_every_state_in_a_template_is_a_state_of_the_table() -> None:
+    states = set(_states.STATES)
+    strays = []
+    for name, text in _templates():
+        words = re.findall(r"\bstate\s*[!=]=\s*\"(\w+)\"", text)
+        for listed in re.findall(r"\bstate\s+(?:not\s+)?in\s*\(([^)]*)\)", text):
+            words += re.findall(r"\"(\w+)\"", listed)
+        strays += [f"{name}: {word!r}" for word in words if word not in states]
+    assert strays == []
+    # The named sets the templates test against are the table's.
+    from tickler.web._app import _environment
+
+    environment = _environment()
+    for name in ("live", "ready", "final", "retryable"):
+        assert environment.globals[name] == _NAMED_SETS[name.upper()]
+
+
+def test_the_scans_see_the_stores_sql() -> None:
+    """The scans above are not vacuous: they see the states the stores write."""
+    texts = " ".join(text for _, _, text in _sql_strings())
+    for state in _states.STATES:
+        assert f"'{state}'" in texts
+    assert any(_IN_LIST.search(text) for _, _, text in _sql_strings())

@@ -150,12 +150,18 @@ MAX_QUEUE_BYTES = 1000
 MAX_KEY_BYTES = 1000
 
 
-def check_queue_name(name: str, what: str) -> None:
-    """Refuse a queue name a store cannot keep; ``what`` names the parameter.
+def check_queue_name(name: object, what: str) -> str:
+    """A queue name, checked: a str a store can keep; ``what`` names the parameter.
+
+    The one rule for every part that takes a queue's name (a service with a store,
+    the stores' enqueue_in and enqueue_many_in, the admin, the command line).
 
     Raises:
+        TypeError: it is not a str.
         ValueError: it holds a NUL or a lone surrogate, or is over MAX_QUEUE_BYTES.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, not {type(name).__name__}")
     if "\x00" in name:
         raise ValueError(f"{what} must not contain NUL characters: it names the store's queue")
     try:
@@ -169,6 +175,7 @@ def check_queue_name(name: str, what: str) -> None:
             f"{what} must be at most {MAX_QUEUE_BYTES} bytes in UTF-8 with a store,"
             f" not {size}: it names the store's queue"
         )
+    return name
 
 
 # The longest group name, and periodic request name, in bytes of UTF-8 (each is a column).

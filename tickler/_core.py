@@ -86,11 +86,21 @@ def _check_key(key: object) -> None:
         raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
 
 
+# The largest id of a request, as every store numbers them (PostgreSQL's bigint, SQLite's
+# integer): a larger int names no request.
+MAX_ID = 2**63 - 1
+
+
+# What a priority may be: PostgreSQL's integer column holds it.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 def check_priority(value: object) -> int:
-    """A request's priority, checked: an int in the 32-bit signed range (what a store keeps)."""
+    """A request's priority, checked: an int in the 32-bit signed range (what a store keeps).
+
+    The one rule for every enqueue that takes it (enqueue_request, submit,
+    enqueue_many, Periodic, the stores' enqueue_in and enqueue_many_in).
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"priority must be an int, not {type(value).__name__}")
     low, high = PRIORITY_RANGE

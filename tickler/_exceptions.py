@@ -17,6 +17,26 @@ class ServiceClosed(TicklerError):
     _service: object = None  # the service that refused, when its queue did
 
 
+def queue_full(name: str, bound: int, held: int, asked: int) -> QueueFull:
+    """The one refusal of a full queue, in memory or with a store, of one request or many:
+    service ``name`` holds ``held`` of its ``max_queue_length`` ``bound`` and was asked
+    for ``asked`` more."""
+    return QueueFull(
+        f"service {name!r} has room for {max(bound - held, 0)} more requests, not {asked}"
+        f" (max_queue_length {bound}); none was enqueued"
+    )
+
+
+def service_closed(name: str, service: object = None) -> ServiceClosed:
+    """The one refusal of a closed service ``name``: a stop has begun, or the run ended.
+
+    ``service`` is the service whose own stop refused an enqueue (see
+    Outcomes.refused_by_stop), or None."""
+    closed = ServiceClosed(f"service {name!r} is closed")
+    closed._service = service
+    return closed
+
+
 class RequestCancelled(TicklerError):
     """The request was cancelled before it could complete."""
 

@@ -33,7 +33,7 @@ from ._core import (
     logger,
 )
 from ._engine import _PRIORITY_0, _Engine
-from ._exceptions import QueueFull, ServiceClosed
+from ._exceptions import QueueFull, queue_full, service_closed
 from ._ticket import Ticket
 
 _new_ticket = object.__new__
@@ -324,10 +324,7 @@ class Intake:
             if bound is not None and waiting + new > bound:
                 self.rejected += new
                 engine._last_context = None
-                raise QueueFull(
-                    f"service {engine.name!r} has room for {max(bound - waiting, 0)} more"
-                    f" requests, not {new}; none was enqueued"
-                )
+                raise queue_full(engine.name, bound, waiting, new)
             now = engine._time()
             on_loop_thread = engine._thread == _get_ident()
             fresh.clear()
@@ -388,10 +385,7 @@ class Intake:
             if bound is not None and waiting + len(items) > bound:
                 self.rejected += len(items)
                 engine._last_context = None
-                raise QueueFull(
-                    f"service {engine.name!r} has room for {max(bound - waiting, 0)} more"
-                    f" requests, not {len(items)}; none was enqueued"
-                )
+                raise queue_full(engine.name, bound, waiting, len(items))
             first = engine._last_id + 1
             for offset, ticket in enumerate(tickets):
                 ticket.id = first + offset
@@ -419,9 +413,7 @@ class Intake:
         if engine._closed and not (engine._draining and engine._is_follow_up()):
             self.rejected += 1
             engine._last_context = None  # a refused caller's context is kept by nothing
-            closed = ServiceClosed(f"service {engine.name!r} is closed")
-            closed._service = engine  # whose stop refused it: see Outcomes.refused_by_stop
-            raise closed
+            raise service_closed(engine.name, engine)  # whose stop refused it
 
     def check_room(self, length: int, *, waits: bool = False) -> None:
         """Raise QueueFull if ``length`` queued requests and the delayed ones fill the queue.
@@ -435,10 +427,7 @@ class Intake:
             if not waits:
                 self.rejected += 1
             engine._last_context = None  # a refused caller's context is kept by nothing
-            scheduled = f" and {self.scheduled} scheduled" if self.scheduled else ""
-            raise QueueFull(
-                f"service {engine.name!r} already has {length} queued{scheduled} requests"
-            )
+            raise queue_full(engine.name, bound, length + self.scheduled + self.ranked, 1)
 
     def set_admit(self) -> None:
         """Recompute the hot path's bound. Called with the lock held."""
@@ -514,9 +503,7 @@ class Intake:
                 if ticket.id == 0 and ticket.done:
                     ticket.result()  # the store refused it: its StoreError
                 if ticket.id == 0:
-                    raise ServiceClosed(
-                        f"service {engine.name!r} ended before the request was committed"
-                    )
+                    raise service_closed(engine.name)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return ticket
 

@@ -23,7 +23,7 @@ import trio
 from . import _lowlevel
 from ._core import _get_ident, logger, wall_clock
 from ._engine import _Engine
-from ._exceptions import QueueFull, ServiceClosed
+from ._exceptions import QueueFull, ServiceClosed, service_closed
 from ._intake import Intake
 from ._periodic import Periodic
 from ._stopping import Stopping
@@ -104,7 +104,7 @@ class Supervisor:
         """Service.run (see its docstring): open the store, then the loop, until a stop."""
         engine, intake, stopping = self.engine, self.intake, self.stopping
         if stopping.stop_called and engine._token is None:
-            raise ServiceClosed(f"service {engine.name!r} was stopped before it ran")
+            raise service_closed(engine.name)
         if engine._token is not None:
             raise RuntimeError(f"service {engine.name!r} has already run")
         if engine._bound is not None and engine._bound is not trio.lowlevel.current_trio_token():

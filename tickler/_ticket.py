@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import contextvars
-import enum
 from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
 
 from ._exceptions import RequestCancelled
-
-
-class Status(enum.Enum):
-    """Where a request is in its life. The last three are final."""
-
-    QUEUED = "queued"
-    SCHEDULED = "scheduled"
-    RUNNING = "running"
-    RETRYING = "retrying"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
+from ._states import FINAL_STATUSES
+from ._states import Status as Status
 
 RequestT = TypeVar("RequestT")
 ResultT = TypeVar("ResultT")
 
-FINAL = frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED})
+# The final statuses (see tickler/_states.py).
+FINAL = FINAL_STATUSES
 
 
 @attrs.define(eq=False, slots=True)

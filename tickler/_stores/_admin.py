@@ -32,18 +32,20 @@ import attrs
 import trio
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
+from .._core import MAX_ID
 from .._exceptions import KeyTaken
-from ._sql import COUNTED, RESCUE_REASONS, Dialect, cancel, limited_now
+from .._states import CLAIMED, COUNTED, ENDED, LIVE, READY, RETRYABLE, STATES, sql_in
+from ._sql import RESCUE_REASONS, Dialect, cancel, limited_now
 
 _T = TypeVar("_T")
 
 logger = logging.getLogger("tickler")
 
-STATES = ("queued", "scheduled", "running", "retrying", "succeeded", "failed", "cancelled")
-_LIVE = "state IN ('queued', 'scheduled', 'running', 'retrying')"
-_RETRYABLE = "state IN ('failed', 'cancelled')"
-_WAITING = "state IN ('queued', 'scheduled', 'retrying')"
-_RUNNING = "state = 'running'"
+# The sets of states the admin's SQL names, written in as constants (see _Filter.where).
+_LIVE = sql_in(LIVE)
+_RETRYABLE = sql_in(RETRYABLE)
+_WAITING = sql_in(READY)
+_RUNNING = sql_in(["running"])
 _IDLE = "state <> 'running'"
 
 # The most rows a page holds.
@@ -221,14 +223,7 @@ class AdminDialect(Dialect, Protocol):
 
 
 def _check_queue(queue: object) -> str:
-    if not isinstance(queue, str):
-        raise TypeError(f"queue must be a str, not {type(queue).__name__}")
-    check_queue_name(queue, "queue")
-    return queue
-
-
-# A request's id, as every store numbers them (PostgreSQL's bigint, SQLite's integer).
-MAX_ID = 2**63 - 1
+    return check_queue_name(queue, "queue")
 
 
 def _check_int(value: object, name: str, low: int, high: int, what: str = "") -> int:
@@ -617,8 +612,8 @@ def _counts(
         f"SELECT count(*) FROM tickler_requests WHERE queue = {m} AND state = 'running'"
         " AND started_at IS NULL"
     )
-    found["claimed"] = int(d.execute(claimed, (queue,)).fetchone()[0])
-    found["running"] -= found["claimed"]
+    found[CLAIMED] = int(d.execute(claimed, (queue,)).fetchone()[0])
+    found["running"] -= found[CLAIMED]
     flag = d.execute(d.statements.paused, (queue,)).fetchone()
     found["paused"] = int(bool(flag is not None and flag[0]))
     found["limited"] = limited_now(d, queue)
@@ -675,7 +670,7 @@ def _overview(d: AdminDialect, queue: str) -> QueueOverview:
     times = (
         "SELECT started_at - run_at, finished_at - started_at FROM tickler_requests"
         f" WHERE queue = {m} AND finished_at >= {m} AND finished_at IS NOT NULL"
-        " AND state IN ('succeeded', 'failed') AND started_at IS NOT NULL"
+        f" AND {sql_in(ENDED)} AND started_at IS NOT NULL"
         f" ORDER BY finished_at DESC LIMIT {m}"
     )
     rows = d.execute(times, (queue, now - WINDOW, PERCENTILE_ROWS)).fetchall()

@@ -20,21 +20,17 @@ from typing import Any, Protocol
 import attrs
 
 from .._codec import Codec, JsonCodec, check_group, check_queue_name, encode_key
-from .._core import _check_delay, check_unique_for
+from .._core import MAX_ID, _check_delay, _one_line, check_priority, check_unique_for
 from .._exceptions import StoreError
+from .._states import CLAIMED, COUNTED, COUNTED_LIVE
 from .._values import ClaimedRow, ClaimTrace, GroupLimit, Insert, Outcome, OutcomeKind, Tick
 from ._seam import Batch, BatchResult, Row
 
-# Live states hold their key; ready states may be claimed once run_at has come.
-LIVE = ("queued", "scheduled", "running", "retrying")
-FINAL = ("succeeded", "failed", "cancelled")
-# What statistics() counts: the states, with the running rows claimed ahead
-# of a free slot (started_at still NULL) on their own.
-COUNTED = ("queued", "scheduled", "claimed", "running", "retrying", *FINAL)
+# The sets of states statistics() and inspect count by: tickler/_states.py's.
 # The state statistics() counts a row under, as an SQL expression.
-COUNTED_STATE = "CASE WHEN state = 'running' AND started_at IS NULL THEN 'claimed' ELSE state END"
-# The live states among them: what a group's line of ``inspect`` counts.
-COUNTED_LIVE = tuple(state for state in COUNTED if state not in FINAL)
+COUNTED_STATE = (
+    f"CASE WHEN state = 'running' AND started_at IS NULL THEN '{CLAIMED}' ELSE state END"
+)
 
 # What each outcome sets, from the columns of a row v of its values: column1
 # is the id, then the outcome's values (OUTCOME_FIELDS), then its attempt, then {now},
@@ -128,10 +124,6 @@ RESCUE_SETS = (
 # What a claim returns after the priority: the reason if this claim rescued the row,
 # else NULL ({now}: the claim's time, as in RESCUE_SETS). RETURNING reads the new values.
 RESCUE_RETURNED = "CASE WHEN rescued_at = {now} THEN rescued END"
-
-
-# What PostgreSQL's integer column holds: a priority must fit it.
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 @attrs.frozen
@@ -703,12 +695,6 @@ def _insert_isolated(
     return inserted
 
 
-def _one_line(exc: BaseException) -> str:
-    """``ExcType: message`` on one line."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def insert_keyed(
     execute: Callable[[str, Any], Any],
     insert: str,
@@ -785,16 +771,6 @@ class Enqueue:
     """The group of every request, or None."""
 
 
-def check_priority(priority: object) -> int:
-    """A priority, checked: an int (not a bool) in PostgreSQL's integer range."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise TypeError("priority must be an int")
-    low, high = PRIORITY_RANGE
-    if not low <= priority <= high:
-        raise ValueError(f"priority must be from {low} to {high}")
-    return priority
-
-
 def prepare_enqueue(
     codecs: dict[str, Codec],
     queue: str,
@@ -810,8 +786,6 @@ def prepare_enqueue(
 
     ``key`` gives each request's key (or None); None: no request has one.
     """
-    if not isinstance(queue, str):
-        raise TypeError("queue must be a str")
     check_queue_name(queue, "queue")
     checked_priority = check_priority(priority)
     hold = check_unique_for(unique_for, key)
@@ -912,7 +886,7 @@ def lookup(d: Dialect, queue: str, id_or_key: object) -> Row | None:
     """The queue's row of an id, or of a key (its live row first, else its latest)."""
     sql = d.statements
     if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-        if not 0 < id_or_key < 2**63:
+        if not 0 < id_or_key <= MAX_ID:
             return None
         found = d.execute(sql.row_by_id, (queue, id_or_key))
     else:
@@ -930,7 +904,7 @@ def cancel(d: Dialect, queue: str, id_or_key: object) -> tuple[bool, int | None]
     d.begin()
     try:
         if isinstance(id_or_key, int) and not isinstance(id_or_key, bool):
-            if not 0 < id_or_key < 2**63:
+            if not 0 < id_or_key <= MAX_ID:
                 d.commit()
                 return False, None
             row = x(sql.live_by_id, (queue, id_or_key)).fetchone()

@@ -43,7 +43,7 @@ from .._core import (
 )
 from .._core import _EMPTY_CONTEXT as _EMPTY
 from .._engine import _Engine
-from .._exceptions import QueueFull, RequestFailed, StoreError, Withdrawn
+from .._exceptions import RequestFailed, StoreError, Withdrawn, queue_full
 from .._ticket import FINAL, Status, Ticket
 from .._values import GroupLimit, Insert, Outcome, OutcomeKind, Tick
 from ._seam import Batch, BatchResult, Row, Session, Store
@@ -850,10 +850,7 @@ class StoreSync:
                 if not waits:
                     engine._intake.rejected += 1
                 engine._last_context = None
-                raise QueueFull(
-                    f"service {engine.name!r} already has {len(self.pending)} requests"
-                    " waiting to be committed"
-                )
+                raise queue_full(engine.name, bound, len(self.pending), 1)
             ticket.enqueued_at = engine._time()
             ticket.id = 0
             engine._last_id += 1
@@ -918,11 +915,7 @@ class StoreSync:
             if bound is not None and len(self.pending) + len(requests) > bound:
                 engine._intake.rejected += len(requests)
                 engine._last_context = None
-                raise QueueFull(
-                    f"service {engine.name!r} has room for"
-                    f" {max(bound - len(self.pending), 0)} more requests waiting to be"
-                    f" committed, not {len(requests)}; none was enqueued"
-                )
+                raise queue_full(engine.name, bound, len(self.pending), len(requests))
             now = engine._time()
             for index, (data, decoded) in enumerate(encoded):
                 ticket: Ticket[Any, Any] = Ticket(decoded, 0, status, 0, now, None, context)

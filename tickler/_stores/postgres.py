@@ -21,6 +21,7 @@ import attrs
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from .._states import FINAL, LIVE, READY, sql_in
 from .._values import Insert, Outcome, OutcomeKind
 from ._admin import Admin
 from ._pg_listen import Listener
@@ -384,9 +385,9 @@ _MIGRATIONS = {
 
 # The states of the partial indexes above, in their very words, so that a
 # query holding them is planned on the index.
-_READY = "state IN ('queued', 'scheduled', 'retrying')"
-_LIVE_STATE = "state IN ('queued', 'scheduled', 'running', 'retrying')"
-_FINAL_STATE = "state IN ('succeeded', 'failed', 'cancelled')"
+_READY = sql_in(READY)
+_LIVE_STATE = sql_in(LIVE)
+_FINAL_STATE = sql_in(FINAL)
 
 _LIVE_WHERE = f"SELECT id, state FROM tickler_requests WHERE queue = %s AND {_LIVE_STATE} AND"  # noqa: S608 (constants only)
 _ROW = f"SELECT {ROW_COLUMNS} FROM tickler_requests"  # noqa: S608 (constants only)

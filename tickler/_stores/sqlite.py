@@ -23,6 +23,7 @@ import attrs
 
 from .._codec import Codec, check_queue_name
 from .._exceptions import StoreError
+from .._states import FINAL, LIVE, READY, sql_any, sql_in
 from .._values import Insert, Outcome, OutcomeKind
 from ._admin import Admin, this_process
 from ._seam import Batch, BatchResult, Row
@@ -64,9 +65,9 @@ _T = TypeVar("_T")
 # temporary table for an IN list of three or more values each time it checks
 # a row against an index's WHERE clause, which every UPDATE of state does.
 # A query uses a partial index when it holds the index's WHERE term as is.
-_READY = "(state = 'queued' OR state = 'scheduled' OR state = 'retrying')"
-_LIVE_STATE = "(state = 'queued' OR state = 'scheduled' OR state = 'running' OR state = 'retrying')"
-_FINAL_STATE = "state IN ('succeeded', 'failed', 'cancelled')"
+_READY = sql_any(READY)
+_LIVE_STATE = sql_any(LIVE)
+_FINAL_STATE = sql_in(FINAL)
 
 # The indexes version 2 changed, by name: the schema creates them, and the
 # migration from version 1 drops and creates them again.

@@ -36,7 +36,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .._core import MAX_ID  # the largest id (and count) a page takes
 from .._exceptions import KeyTaken
+from .._states import CLAIMED, COUNTED, FINAL, LIVE, READY, RETRYABLE, STATES
 from .._stores._admin import COUNT_CAP, Admin
 from .._stores.postgres import PostgresStore
 from .._stores.sqlite import SqliteStore
@@ -52,31 +54,17 @@ False answers 403 Forbidden. It runs on the server's Trio thread.
 """
 
 _HERE = Path(__file__).parent
-STATES = ("queued", "scheduled", "running", "retrying", "succeeded", "failed", "cancelled")
-# The counts the overview shows, in order: the states, with "claimed" (running rows whose
-# attempt has not started yet) beside "running", and "limited" (ready rows held by their
-# group's limit).
-COUNT_COLUMNS = (
-    "queued",
-    "scheduled",
-    "limited",
-    "claimed",
-    "running",
-    "retrying",
-    "succeeded",
-    "failed",
-    "cancelled",
+# The counts the overview shows, in order: statistics()'s (the states, with "claimed",
+# running rows whose attempt has not started yet, beside "running"), and "limited" (ready
+# rows held by their group's limit) before "claimed".
+COUNT_COLUMNS = tuple(
+    column for state in COUNTED for column in (("limited", state) if state == CLAIMED else (state,))
 )
 # The states each bulk action acts on: a filter outside them selects nothing.
-BULK_STATES = {
-    "cancel": ("queued", "scheduled", "running", "retrying"),
-    "retry": ("failed", "cancelled"),
-}
+BULK_STATES = {"cancel": LIVE, "retry": RETRYABLE}
 PAGE_SIZE = 50
 CSRF_COOKIE = "tickler_csrf"
 CSRF_FIELD = "csrf"
-# The largest id (and count) a page takes: a store's ids are 64-bit signed integers.
-MAX_ID = 2**63 - 1
 MAX_FORM_BYTES = 64 * 1024
 REFRESH_SECONDS = 5
 # The host names every dashboard answers to, besides the address the connection came in
@@ -248,6 +236,8 @@ def _environment() -> jinja2.Environment:
         relative=relative,
         number=number,
     )
+    # The named sets of states the templates test a row's state against.
+    environment.globals.update(live=LIVE, ready=READY, final=FINAL, retryable=RETRYABLE)
     return environment
 
 
