@@ -1956,8 +1956,6 @@ def set_paused(dsn: str, schema: str, queue: str, paused: bool) -> list[str]:
     """
     import psycopg
 
-    if not isinstance(queue, str):
-        raise TypeError("queue must be a str")
     check_queue_name(queue, "queue")
     if not isinstance(schema, str) or not _IDENTIFIER.match(schema):
         raise ValueError(f"schema {schema!r}: not a tickler schema name")

@@ -1339,8 +1339,6 @@ def set_paused(path: Path, queue: str, paused: bool) -> list[str]:
         ValueError: the file is missing, not a tickler store, or of a version this does
             not know; or ``queue`` is not a queue name.
     """
-    if not isinstance(queue, str):
-        raise TypeError("queue must be a str")
     check_queue_name(queue, "queue")
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
