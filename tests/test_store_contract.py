@@ -222,6 +222,47 @@ async def test_a_ticket_follows_its_request_run_by_another_replica(backend: Back
         gate.set()
 
 
+async def test_a_start_is_marked_by_the_second_batch_that_finds_the_attempt_running(
+    backend: Backend,
+) -> None:
+    """The first batch that finds an attempt running only notes it: an attempt that ends
+    before the next batch gets its start from its outcome (its row written once more, not
+    twice); one still running then is marked, with the first batch's time."""
+    gates = {1: trio.Event(), 2: trio.Event()}
+    started = {1: trio.Event(), 2: trio.Event()}
+
+    async def held(request: int) -> int:
+        started[request].set()
+        await gates[request].wait()
+        return request
+
+    # Looks far apart, and one slot (a held attempt leaves nothing to claim): the batches
+    # are the submits' and the outcomes'.
+    store = backend.store(poll_interval=30.0, lease=90.0)
+    async with tickler.open_service(held, store=store, name="jobs", capacity=1) as service:
+        short = await service.submit(1)
+        await started[1].wait()
+        await service.submit(-1, delay=600)  # a batch that finds 1 running
+        gates[1].set()
+        assert await short.wait() == 1
+        [(started_at, finished_at)] = backend.select("started_at, finished_at", f"id = {short.id}")
+        assert started_at == finished_at  # from its outcome: no mark of its own
+
+        long = await service.submit(2)
+        await started[2].wait()
+        await service.submit(-2, delay=600)  # finds 2 running: notes it
+        [(noted,)] = backend.select("started_at", f"id = {long.id}")
+        assert noted is None
+        await service.submit(-3, delay=600)  # finds it running again: marks it
+        [(marked,)] = backend.select("started_at", f"id = {long.id}")
+        assert marked is not None
+        gates[2].set()
+        assert await long.wait() == 2
+        [(kept, finished_at)] = backend.select("started_at, finished_at", f"id = {long.id}")
+        assert kept == marked < finished_at
+        await service.stop(drain=False)
+
+
 # -- Keys
 
 

@@ -73,6 +73,9 @@ class Batch:
     """Report the ids of the queue's requests that became final at or after this time."""
     started: Sequence[int] = ()
     """Ids of attempts that started since their row was claimed, and still run."""
+    started_time: float | None = None
+    """The store's time by which the ``started`` attempts had started (a former batch's
+    time, see StoreSync.seen), written as their start; None: the batch's own time."""
     isolate: bool = False
     """Insert each row in a savepoint of its own: a row the store refuses is reported
     in BatchResult.refused, and the rest of the batch commits (see _sql.run_batch)."""

@@ -485,7 +485,8 @@ def _write(
     if batch.ticks:
         result.ticked = _tick(d, queue, batch.ticks, now)
     if batch.started:
-        d.mark_started(owner, batch.started, now)
+        at = batch.started_time
+        d.mark_started(owner, batch.started, now if at is None else at)
     return d.write_outcomes(owner, outcomes, now)
 
 

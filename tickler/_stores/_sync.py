@@ -19,7 +19,7 @@ import contextvars
 import math
 import types
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import attrs
@@ -104,6 +104,14 @@ class StoreSync:
     reasons: dict[int, str] = attrs.Factory(dict)
     # Running attempts whose start a committed batch has written.
     marked: set[int] = attrs.Factory(set)
+    # serves: pg drain: the running attempts not yet marked that the last committed batch
+    # found running when it was built, and that batch's time (the store's): the next batch
+    # marks those still running as started then. Most attempts of a drain end before it,
+    # and their outcome writes their start: marking them too would write each row twice.
+    seen: frozenset[int] = frozenset()
+    seen_at: float = 0.0
+    # What the batch being built found running, not marked, to be `seen` once it commits.
+    unmarked: frozenset[int] = frozenset()
     # Requests claimed by this process whose outcome is not written yet.
     local: set[int] = attrs.Factory(set)
     # The time from which the next look asks which requests became final.
@@ -208,12 +216,18 @@ class StoreSync:
             pending, self.pending = self.pending, []
         outcomes, self.outcomes = self.outcomes, []
         check = now >= self.next_check
-        # The attempts running now whose start the store has not been told.
+        # The attempts running now whose start the store has not been told, and of those,
+        # the ones the last committed batch found running already (see `seen`).
         marked = self.marked
         marked.intersection_update(self.scopes)
-        started = (
-            [i for i in self.scopes if i not in marked] if len(marked) < len(self.scopes) else ()
-        )
+        started: Sequence[int] = ()
+        if len(marked) < len(self.scopes):
+            seen = self.seen
+            unmarked = [i for i in self.scopes if i not in marked]
+            started = [i for i in unmarked if i in seen] if seen else ()
+            self.unmarked = frozenset(unmarked).difference(started)
+        else:
+            self.unmarked = frozenset()
         ticks, self.ticks = self.ticks, []
         batch = Batch(
             inserts=pending,
@@ -223,6 +237,7 @@ class StoreSync:
             outcomes=[ended.outcome for ended in outcomes],
             claim=claim,
             started=started,
+            started_time=self.seen_at if started else None,
             renew=check,
             watched=self._watch_list() if check else (),
             prune=check,
@@ -353,9 +368,11 @@ class StoreSync:
             assert now is not None
             if engine._stopping.stop_called and now >= engine._stopping.stop_deadline:
                 engine._stopping.expire()
+            self.seen = frozenset()  # their start is not known to precede a batch's time
             await trio.sleep_until(min(now + delay, engine._stopping.stop_deadline))
             return None
         self.marked.update(batch.started)
+        self.seen, self.seen_at = self.unmarked, result.now
         if result.lost:
             self.lost_lock()
         if batch.pause is not None and self.pause_wanted is batch.pause:
