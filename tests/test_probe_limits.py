@@ -222,7 +222,13 @@ async def test_lowering_the_cap_sends_back_grouped_requests_given_a_slot(
 
     limits = {"*": tickler.Limit(concurrency=1), "r": tickler.Limit(rate=2, per=3.0)}
     lowered = 0
-    for round_ in range(6):
+    # Whether a handler has begun once the four slots are given is up to Trio's
+    # scheduler, which runs a batch of ready tasks in a random order: about one round
+    # in two finds none begun. Six rounds at least, and on until two found none (six
+    # rounds alone missed it about once in 160 runs).
+    for round_ in range(200):
+        if round_ >= 6 and lowered >= 2:
+            break
         seen.clear()
         started.clear()
         running.clear()
@@ -249,7 +255,7 @@ async def test_lowering_the_cap_sends_back_grouped_requests_given_a_slot(
             assert sum(1 for other in rated if at <= other < at + 3.0) <= 2, rated
         assert service.statistics().succeeded == 16
         assert leftovers(service) == {}
-    assert lowered > 0
+    assert lowered >= 2
 
 
 async def test_a_request_sent_back_unstarted_has_used_its_rate_start(
