@@ -558,21 +558,33 @@ async def test_an_idle_service_polls_without_spans_and_a_busy_batch_makes_one(
         assert any(counts), attributes
 
 
+class SpanStarts:
+    """Counts the spans the SDK's tracers start, from ``count_on`` until the monkeypatch
+    is undone (each still started as the SDK starts it)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def count_on(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from opentelemetry.sdk.trace import Tracer
+
+        start_span = Tracer.start_span
+
+        def counted(tracer: Tracer, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return start_span(tracer, *args, **kwargs)
+
+        monkeypatch.setattr(Tracer, "start_span", counted)
+
+
 async def test_a_sampler_that_drops_every_span_starts_none_in_memory(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from opentelemetry import trace
-    from opentelemetry.sdk.trace import Tracer
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
     provider = TracerProvider(sampler=ALWAYS_OFF)
-    started = 0
-    start_span = Tracer.start_span
-
-    def counted(self: Tracer, *args: Any, **kwargs: Any) -> Any:
-        nonlocal started
-        started += 1
-        return start_span(self, *args, **kwargs)
+    started = SpanStarts()
 
     seen: dict[int, trace.SpanContext] = {}
 
@@ -583,11 +595,11 @@ async def test_a_sampler_that_drops_every_span_starts_none_in_memory(
     async with tickler.open_service(handler, name="mail") as service:
         instrument(service, tracer_provider=provider)
         with provider.get_tracer("web").start_as_current_span("GET /") as web:
-            monkeypatch.setattr(Tracer, "start_span", counted)
+            started.count_on(monkeypatch)
             tickets = [service.enqueue_request(i) for i in range(3)]
         tickets += [service.enqueue_request(i) for i in range(3, 6)]  # each a root
         assert [await ticket.wait() for ticket in tickets] == [0, 2, 4, 6, 8, 10]
-    assert started == 0  # the sampler's decision is known: no span is started
+    assert started.count == 0  # the sampler's decision is known: no span is started
     assert service.statistics().succeeded == 6
     # Under the dropped web span, its context is carried on; the roots get new unsampled ones.
     assert [seen[i] for i in range(3)] == [web.get_span_context()] * 3
@@ -664,18 +676,11 @@ async def test_a_dropped_trace_starts_no_span_per_request_under_the_default_samp
     # The SDK's default sampler, ParentBased(ALWAYS_ON): a child of a parent that was not
     # sampled, local or (through a row's traceparent) remote, is dropped, as it decides.
     from opentelemetry import trace
-    from opentelemetry.sdk.trace import Tracer
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    started = 0
-    start_span = Tracer.start_span
-
-    def counted(self: Tracer, *args: Any, **kwargs: Any) -> Any:
-        nonlocal started
-        started += 1
-        return start_span(self, *args, **kwargs)
+    started = SpanStarts()
 
     seen: list[trace.SpanContext] = []
 
@@ -687,13 +692,13 @@ async def test_a_dropped_trace_starts_no_span_per_request_under_the_default_samp
     async with tickler.open_service(handler, name="mail", store=store) as service:
         instrument(service, tracer_provider=provider)
         with dropped_web_span(provider) as web:
-            monkeypatch.setattr(Tracer, "start_span", counted)
+            started.count_on(monkeypatch)
             tickets = [service.enqueue_request(i) for i in range(5)]
         assert [await ticket.wait() for ticket in tickets] == list(range(5))
         monkeypatch.undo()
     # Store batches may make spans of their own (not part of any request's trace).
     assert not [span for span in exporter.get_finished_spans() if span.name != "exchange mail"]
-    requests = started - len(named(exporter, "exchange "))
+    requests = started.count - len(named(exporter, "exchange "))
     assert requests == 0, f"{requests} spans started for the requests of a dropped trace"
     web_context = web.get_span_context()
     for context in seen:  # each attempt runs under the web span's context, not sampled
