@@ -834,31 +834,28 @@ def _full(room: int, asked: int, bound: int) -> str:
     )
 
 
+def _refuses_when_full(service: tickler.Service[int, int]) -> None:
+    """Of a service of max_queue_length=2 that holds nothing yet: its refusals once full,
+    with no checkpoint between the enqueues (with a store, all wait to be committed)."""
+    service.enqueue_request(1)
+    with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
+        service.enqueue_many([2, 3])
+    service.enqueue_request(2, delay=5)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        service.enqueue_request(3)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        service.enqueue_request(3, delay=5)
+    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
+        service.enqueue_many([3])
+
+
 async def test_a_full_queue_is_refused_alike_on_every_path(backend: Backend) -> None:
     """In memory or with a store, one request or many, delayed or not: one wording."""
-    memory = tickler.Service(double, name="jobs", max_queue_length=2)
-    memory.enqueue_request(1)
-    with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
-        memory.enqueue_many([2, 3])
-    memory.enqueue_request(2, delay=5)
-    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
-        memory.enqueue_request(3)
-    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
-        memory.enqueue_request(3, delay=5)
-    with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
-        memory.enqueue_many([3])
+    _refuses_when_full(tickler.Service(double, name="jobs", max_queue_length=2))
     async with tickler.open_service(
         double, store=backend.store(), name="jobs", max_queue_length=2
     ) as stored:
-        # No checkpoint between the enqueues: both wait to be committed.
-        stored.enqueue_request(1)
-        with pytest.raises(tickler.QueueFull, match=_full(1, 2, 2)):
-            stored.enqueue_many([2, 3])
-        stored.enqueue_request(2, delay=5)
-        with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
-            stored.enqueue_request(3)
-        with pytest.raises(tickler.QueueFull, match=_full(0, 1, 2)):
-            stored.enqueue_many([3])
+        _refuses_when_full(stored)
 
 
 CLOSED = r"^service 'jobs' is closed$"
